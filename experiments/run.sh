@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# meshmoe bootstrap: finds Python >= 3.12, creates .venv with the pinned dependencies if anything is
+# missing or changed, then runs one task.
+#
+#   bash experiments/run.sh train [flags]   train the default experiment (tiny_moe) on this machine's CPU devices
+#   bash experiments/run.sh test  [pytest args]   run the full test suite on 8 simulated CPU devices
+#   bash experiments/run.sh bench [flags]   step time and compiled/model FLOP ratio of the default config
+#
+# Environment: MESHMOE_PYTHON=/path/to/python3.12 picks the interpreter; MESHMOE_VENV moves the venv
+# (default: .venv in the repository root); MESHMOE_EXTRAS adds pip extras (e.g. "test,deviceless").
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+venv="${MESHMOE_VENV:-$repo/.venv}"
+extras="${MESHMOE_EXTRAS:-test}"
+
+python_ok() { "$1" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+
+find_python() {
+  local candidates=()
+  [ -n "${MESHMOE_PYTHON:-}" ] && candidates+=("$MESHMOE_PYTHON")
+  candidates+=(python3.12 python3.13 python3 python)
+  # pyenv and uv keep interpreters outside PATH; look there too (3.12 first: the GPU image runs 3.12).
+  local root
+  for root in "${PYENV_ROOT:-$HOME/.pyenv}/versions" "$HOME/.local/share/uv/python"; do
+    [ -d "$root" ] && candidates+=($(ls -d "$root"/*3.1[2-9]* 2>/dev/null | sort -V | sed 's|$|/bin/python3|'))
+  done
+  candidates+=(/usr/bin/python3.12 /usr/bin/python3.13 /usr/local/bin/python3.12 /usr/local/bin/python3.13)
+  local c path
+  for c in "${candidates[@]}"; do
+    path="$(command -v "$c" 2>/dev/null || true)"
+    if [ -n "$path" ] && python_ok "$path"; then echo "$path"; return 0; fi
+  done
+  return 1
+}
+
+ensure_venv() {
+  if [ ! -x "$venv/bin/python" ] || ! python_ok "$venv/bin/python"; then
+    local py
+    if ! py="$(find_python)"; then
+      cat >&2 <<MSG
+meshmoe needs Python >= 3.12 (JAX >= 0.11 does), and none was found on PATH, in pyenv or in uv.
+Install one, e.g. 'apt-get install python3.12 python3.12-venv', 'pyenv install 3.12' or 'uv python install 3.12',
+or point MESHMOE_PYTHON at an existing interpreter: MESHMOE_PYTHON=/path/to/python3.12 bash experiments/run.sh ...
+MSG
+      exit 2
+    fi
+    echo "meshmoe: creating $venv with $py ($("$py" --version 2>&1))" >&2
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+  fi
+  # Reinstall only when the pins, the package metadata or the extras changed.
+  local stamp="$venv/.meshmoe-install-stamp"
+  local want
+  want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1) extras=$extras"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "meshmoe: installing pinned dependencies into $venv (extras: $extras)" >&2
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q \
+      -c requirements/constraints.txt -e ".[$extras]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+task="${1:-}"
+[ $# -gt 0 ] && shift
+case "$task" in
+  train) ensure_venv; exec "$venv/bin/python" -m experiments.demo "$@" ;;
+  test)
+    ensure_venv
+    # The suite runs on 8 simulated CPU devices; tests/conftest.py sets the same flag for direct pytest use.
+    export XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
+    export JAX_PLATFORMS=cpu
+    exec "$venv/bin/python" -m pytest tests "$@" ;;
+  bench) ensure_venv; exec "$venv/bin/python" -m experiments.bench "$@" ;;
+  *)
+    echo "usage: bash experiments/run.sh {train|test|bench} [args...]" >&2
+    exit 2 ;;
+esac
