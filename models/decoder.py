@@ -1,0 +1,119 @@
+"""Decoder-only MoE transformer and its language-modelling loss (shape legend in layers.py).
+
+Layer i is dense (SwiGLU of width `mlp_dim`) when i < `num_dense_layers`, else an MoE block; with pre-norm
+residual blocks: x += attn(norm(x)); x += ffn(norm(x)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from meshmoe.config import ModelConfig
+from meshmoe.models.attention import Attention
+from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
+from meshmoe.models.moe import MoEBlock, MoEStats
+from meshmoe.models.router import update_expert_bias
+from meshmoe.sharding.shardings import constrain
+
+_RESIDUAL = ("act_batch", "act_seq", "act_embed")
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dense: bool, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+    self.ffn = (SwiGLU(cfg.embed_dim, cfg.mlp_dim, std=cfg.init_std, rngs=rngs) if dense
+                else MoEBlock(cfg, rngs=rngs))
+
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+    x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL)
+    if isinstance(self.ffn, MoEBlock):
+      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD))
+    else:
+      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
+    return constrain(x_BSD + y_BSD, _RESIDUAL), stats
+
+
+@dataclasses.dataclass
+class ModelAux:
+  aux_loss: jax.Array  # load-balancing loss, mean over MoE layers
+  z_loss: jax.Array  # router z-loss, mean over MoE layers
+  expert_load_LE: jax.Array  # assignments per expert, per MoE layer
+  dropped_fraction_L: jax.Array  # dropped assignments per MoE layer
+
+
+jax.tree_util.register_dataclass(ModelAux)
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = Embed(cfg.vocab_size, cfg.embed_dim, std=cfg.init_std, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, i < cfg.num_dense_layers, rngs=rngs)
+                            for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+    self.unembed_DV = (None if cfg.tie_embeddings
+                       else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std))
+
+  def __call__(self, tokens_BS: jax.Array) -> tuple[jax.Array, ModelAux]:
+    """Float32 logits [B, S, V] and the MoE statistics."""
+    dtype = jnp.dtype(self.cfg.dtype)
+    positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+    x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL)
+    stats = []
+    for layer in self.layers:
+      x_BSD, layer_stats = layer(x_BSD, positions_BS)
+      if layer_stats is not None:
+        stats.append(layer_stats)
+    x_BSD = self.final_norm(x_BSD).astype(jnp.float32)
+    if self.unembed_DV is None:
+      logits_BSV = self.embed.attend(x_BSD)
+    else:
+      logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.unembed_DV[...])
+    logits_BSV = constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
+    return logits_BSV, _collect(stats, self.cfg.moe.num_experts)
+
+  def update_expert_bias(self, expert_load_LE: jax.Array) -> None:
+    """Aux-loss-free balancing: moves each MoE layer's selection bias from that layer's expert load."""
+    moe_layers = [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoEBlock)]
+    for i, block in enumerate(moe_layers):
+      bias = block.router.bias_E
+      if bias is not None:
+        bias[...] = update_expert_bias(bias[...], expert_load_LE[i], self.cfg.moe.expert_bias_update_rate)
+
+
+def _collect(stats: list[MoEStats], num_experts: int) -> ModelAux:
+  if not stats:
+    zero = jnp.zeros((), jnp.float32)
+    return ModelAux(zero, zero, jnp.zeros((0, num_experts)), jnp.zeros((0,)))
+  return ModelAux(
+      aux_loss=jnp.mean(jnp.stack([s.aux_loss for s in stats])),
+      z_loss=jnp.mean(jnp.stack([s.z_loss for s in stats])),
+      expert_load_LE=jnp.stack([s.load_E for s in stats]),
+      dropped_fraction_L=jnp.stack([s.dropped_fraction for s in stats]),
+  )
+
+
+def lm_loss(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
+            mask_BS: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Next-token cross-entropy (mean over unmasked tokens) plus the weighted router losses."""
+  logits_BSV, aux = model(tokens_BS)
+  ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
+  if mask_BS is None:
+    ce = jnp.mean(ce_BS)
+  else:
+    mask_BS = mask_BS.astype(jnp.float32)
+    ce = jnp.sum(ce_BS * mask_BS) / jnp.maximum(jnp.sum(mask_BS), 1.0)
+  moe = model.cfg.moe
+  loss = ce + moe.aux_loss_weight * aux.aux_loss + moe.z_loss_weight * aux.z_loss
+  metrics = {"cross_entropy": ce, "aux_loss": aux.aux_loss, "z_loss": aux.z_loss,
+             "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L}
+  return loss, metrics

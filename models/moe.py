@@ -1,0 +1,68 @@
+"""The MoE feed-forward block: router, routed SwiGLU experts, optional shared experts (legend in layers.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshmoe.config import ModelConfig
+from meshmoe.models import dispatch
+from meshmoe.models.layers import SwiGLU, param
+from meshmoe.models.router import Router
+from meshmoe.sharding.shardings import constrain
+
+
+@dataclasses.dataclass
+class MoEStats:
+  aux_loss: jax.Array  # scalar load-balancing loss
+  z_loss: jax.Array  # scalar router z-loss
+  load_E: jax.Array  # assignments per expert in this batch
+  dropped_fraction: jax.Array  # share of the B*S*K assignments dropped by capacity (0 when dropless)
+
+
+jax.tree_util.register_dataclass(MoEStats)
+
+
+def resolve_gemm_impl(requested: str) -> str:
+  """'auto' -> 'blocked' on CPU (ragged_dot is dense there), 'ragged_dot' on accelerators."""
+  if requested != "auto":
+    return requested
+  return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+class MoEBlock(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    moe, d, std = cfg.moe, cfg.embed_dim, cfg.init_std
+    self.cfg = moe
+    self.router = Router(d, moe, std=std, rngs=rngs)
+    self.gate_EDF = param(rngs, (moe.num_experts, d, moe.expert_mlp_dim), ("exp", "embed", "exp_mlp"), std)
+    self.up_EDF = param(rngs, (moe.num_experts, d, moe.expert_mlp_dim), ("exp", "embed", "exp_mlp"), std)
+    self.down_EFD = param(rngs, (moe.num_experts, moe.expert_mlp_dim, d), ("exp", "exp_mlp", "embed"), std)
+    self.shared = (SwiGLU(d, moe.num_shared_experts * moe.expert_mlp_dim, std=std, rngs=rngs)
+                   if moe.num_shared_experts else None)
+
+  def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats]:
+    b, s, d = x_BSD.shape
+    k = self.cfg.top_k
+    routing = self.router(x_BSD.reshape(b * s, d))
+    experts_BSK = routing.experts_TK.reshape(b, s, k)
+    weights_BSK = routing.weights_TK.reshape(b, s, k)
+    w = dispatch.ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
+    if self.cfg.capacity_factor is not None:
+      y_BSD, dropped_B = dispatch.capacity(x_BSD, experts_BSK, weights_BSK, w, self.cfg.capacity_factor)
+      dropped_fraction = jnp.sum(dropped_B) / (b * s * k)
+    else:
+      if resolve_gemm_impl(self.cfg.gemm_impl) == "ragged_dot":
+        y_BSD = dispatch.dropless_ragged(x_BSD, experts_BSK, weights_BSK, w)
+      else:
+        y_BSD = dispatch.dropless_blocked(x_BSD, experts_BSK, weights_BSK, w, self.cfg.gemm_block_rows)
+      dropped_fraction = jnp.zeros((), jnp.float32)
+    y_BSD = constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))
+    if self.shared is not None:
+      y_BSD = y_BSD + self.shared(x_BSD)
+    stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction)
+    return y_BSD, stats

@@ -1,0 +1,74 @@
+"""Top-k router: scores, expert choice, combine weights and the router losses (shape legend in layers.py).
+
+- Scores are softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) of float32 logits.
+- With `expert_bias`, a per-expert bias is added to the scores only to choose experts; the combine weights
+  use the unbiased scores (DeepSeek-V3's aux-loss-free balancing). The bias is an `ExpertBias` variable,
+  not an nnx.Param: optimizers skip it and `update_expert_bias` moves it from the observed load.
+- Load-balancing loss (Switch Transformer): E * sum_e f_e * p_e, with f_e the fraction of the T*K
+  assignments that went to expert e and p_e the mean normalised score of expert e. It is 1 when balanced.
+- Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshmoe.config import MoEConfig
+from meshmoe.models.layers import param
+
+
+class ExpertBias(nnx.Variable):
+  """Selection-only expert bias; updated from expert load, never by the optimizer."""
+
+
+@dataclasses.dataclass
+class Routing:
+  experts_TK: jax.Array  # int32 expert ids, distinct per token
+  weights_TK: jax.Array  # float32 combine weights
+  aux_loss: jax.Array  # scalar load-balancing loss
+  z_loss: jax.Array  # scalar router z-loss
+  load_E: jax.Array  # float32 number of assignments per expert
+
+
+jax.tree_util.register_dataclass(Routing)
+
+
+class Router(nnx.Module):
+
+  def __init__(self, dim: int, cfg: MoEConfig, *, std: float, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.kernel_DE = param(rngs, (dim, cfg.num_experts), ("embed", None), std)
+    self.bias_E = ExpertBias(jnp.zeros((cfg.num_experts,), jnp.float32), logical_axes=(None,)) \
+        if cfg.expert_bias else None
+
+  def __call__(self, x_TD: jax.Array) -> Routing:
+    cfg = self.cfg
+    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.kernel_DE[...])
+    if cfg.score_fn == "softmax":
+      scores_TE = jax.nn.softmax(logits_TE, axis=-1)
+    else:
+      scores_TE = jax.nn.sigmoid(logits_TE)
+    choice_TE = scores_TE if self.bias_E is None else scores_TE + self.bias_E[...]
+    _, experts_TK = jax.lax.top_k(jax.lax.stop_gradient(choice_TE), cfg.top_k)
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    if cfg.normalize_top_k:
+      weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+    weights_TK = weights_TK * cfg.routed_scaling
+
+    num_tokens = x_TD.shape[0]
+    load_E = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
+    fraction_E = load_E / (num_tokens * cfg.top_k)
+    # Sigmoid scores do not sum to one; normalise per token so p_e is a distribution like softmax's.
+    probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+    aux_loss = cfg.num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=0))
+    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+    return Routing(experts_TK.astype(jnp.int32), weights_TK, aux_loss, z_loss, load_E)
+
+
+def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones."""
+  return bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)

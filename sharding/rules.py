@@ -1,0 +1,162 @@
+"""The logical-axis rules table: which mesh axes split each logical tensor dimension, per preset.
+
+Models name dimensions logically (`embed`, `heads`, `exp`, ...; activations start with `act_`). A preset
+maps each logical name to a tuple of mesh axes; names a preset leaves out are replicated. Presets are data:
+switching a preset swaps the whole table and changes no model code.
+
+`act_tokens` names a dimension that mixes the batch and sequence dimensions (the rows of the MoE dispatch
+buffer); it is split over every axis that splits either.
+
+Axis precedence: a mesh axis can split only one dimension of a tensor. When two dimensions of one tensor
+ask for the same mesh axis, the name listed first in `PRIORITY` keeps it (an `exp` dimension keeps `expert`
+even when the tensor also has a batch dimension that would otherwise use it).
+
+Presets (see sharding/PLACEMENT.md for the placement of every tensor):
+- dp:        every device is a data-parallel replica; parameters replicated.
+- fsdp:      as dp, and every parameter's `embed` dimension split over all devices.
+- zero1:     as dp, and the optimizer state split like fsdp's parameters.
+- ep:        experts split over `expert`; everything else data parallel.
+- tp_sp:     Megatron tensor parallelism over `tensor` (heads, MLP width, vocabulary) with the residual
+             stream's sequence split over `tensor` too; experts over `expert`; context parallel over
+             `sequence`; batch over `data` and `expert`.
+- megascale: MegaScale-MoE: attention sequence-parallel over the `expert` and `sequence` devices, the MoE
+             FFN expert-parallel over `expert` (expert width over `tensor`), batch over `data`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec
+
+from meshmoe.config import Config, ConfigError
+
+ALL_AXES = ("data", "expert", "tensor", "sequence")
+
+# Logical dimension names, highest precedence first.
+PRIORITY = (
+    # parameters
+    "exp", "vocab", "heads", "kv_heads", "mlp", "exp_mlp", "embed", "head_dim", "norm",
+    # activations
+    "act_exp", "act_tokens", "act_batch", "act_attn_seq", "act_seq", "act_heads", "act_kv_heads", "act_mlp",
+    "act_exp_mlp", "act_vocab", "act_embed", "act_head_dim",
+)
+
+Rules = Mapping[str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  params: Rules
+  activations: Rules
+  optimizer: Rules | None = None  # None: optimizer state is placed like the parameters
+
+  def optimizer_rules(self) -> Rules:
+    return self.params if self.optimizer is None else self.optimizer
+
+
+_DATA_PARALLEL_ACTS: Rules = {"act_batch": ALL_AXES, "act_tokens": ALL_AXES}
+_FSDP_PARAMS: Rules = {"embed": ALL_AXES}
+
+PRESETS: dict[str, Preset] = {
+    "dp": Preset(params={}, activations=_DATA_PARALLEL_ACTS),
+    "fsdp": Preset(params=_FSDP_PARAMS, activations=_DATA_PARALLEL_ACTS),
+    "zero1": Preset(params={}, activations=_DATA_PARALLEL_ACTS, optimizer=_FSDP_PARAMS),
+    "ep": Preset(
+        params={"exp": ("expert",)},
+        activations={"act_exp": ("expert",), "act_batch": ALL_AXES, "act_tokens": ALL_AXES},
+    ),
+    "tp_sp": Preset(
+        params={
+            "exp": ("expert",), "vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
+            "mlp": ("tensor",), "exp_mlp": ("tensor",),
+        },
+        activations={
+            "act_exp": ("expert",), "act_batch": ("data", "expert"),
+            "act_tokens": ("data", "expert", "sequence", "tensor"),
+            "act_attn_seq": ("sequence",), "act_seq": ("sequence", "tensor"),
+            "act_heads": ("tensor",), "act_kv_heads": ("tensor",), "act_mlp": ("tensor",),
+            "act_exp_mlp": ("tensor",), "act_vocab": ("tensor",),
+        },
+    ),
+    "megascale": Preset(
+        params={"exp": ("expert",), "exp_mlp": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",)},
+        activations={
+            "act_exp": ("expert",), "act_batch": ("data",), "act_tokens": ("data", "expert", "sequence"),
+            "act_attn_seq": ("expert", "sequence"), "act_seq": ("expert", "sequence"),
+            "act_heads": ("tensor",), "act_kv_heads": ("tensor",), "act_exp_mlp": ("tensor",),
+        },
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+  if name not in PRESETS:
+    raise ConfigError("mesh.preset", name, "one of " + ", ".join(repr(p) for p in PRESETS))
+  return PRESETS[name]
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+  """Turns one tensor's logical dimension names into a PartitionSpec over mesh axes."""
+  unknown = [name for name in logical_axes if name is not None and name not in PRIORITY]
+  if unknown:
+    raise ValueError(f"unknown logical axis names {unknown}; known: {PRIORITY}")
+  taken: set[str] = set()
+  assigned: dict[int, tuple[str, ...]] = {}
+  order = sorted((i for i, n in enumerate(logical_axes) if n is not None),
+                 key=lambda i: PRIORITY.index(logical_axes[i]))
+  for i in order:
+    axes = tuple(a for a in rules.get(logical_axes[i], ()) if a not in taken)
+    taken.update(axes)
+    assigned[i] = axes
+  entries = []
+  for i in range(len(logical_axes)):
+    axes = assigned.get(i, ())
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*entries)
+
+
+def _dimension_sizes(config: Config) -> dict[str, list[tuple[str, int, int]]]:
+  """For each logical name: the (config field, field value, dimension size) pairs that set its size."""
+  m, moe = config.model, config.model.moe
+  mlp = [("model.mlp_dim", m.mlp_dim, m.mlp_dim)] if m.num_dense_layers else []
+  if moe.num_shared_experts:  # shared experts are one dense SwiGLU of width num_shared * expert_mlp_dim
+    mlp.append(("model.moe.num_shared_experts", moe.num_shared_experts,
+                moe.num_shared_experts * moe.expert_mlp_dim))
+  one = lambda field: [(field, _field_value(config, field), _field_value(config, field))]
+  sizes = {
+      "vocab": one("model.vocab_size"), "embed": one("model.embed_dim"), "heads": one("model.num_heads"),
+      "kv_heads": one("model.num_kv_heads"), "head_dim": one("model.head_dim"), "mlp": mlp,
+      "exp": one("model.moe.num_experts"), "exp_mlp": one("model.moe.expert_mlp_dim"),
+      "act_batch": one("train.global_batch_size"), "act_seq": one("train.seq_len"),
+      "act_attn_seq": one("train.seq_len"),
+  }
+  for name in ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "exp", "exp_mlp"):
+    sizes["act_" + name] = sizes[name]
+  return sizes
+
+
+def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
+  """Raises ConfigError when a preset splits a dimension over mesh axes whose product does not divide it."""
+  preset = get_preset(config.mesh.preset)
+  sizes = _dimension_sizes(config)
+  for rules in (preset.params, preset.activations, preset.optimizer_rules()):
+    for name, axes in rules.items():
+      parts = math.prod(mesh_sizes[a] for a in axes)
+      for field, value, size in sizes.get(name, []):
+        if size % parts:
+          split = " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
+          need = (f"a multiple of {parts}" if size == value else
+                  f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
+          raise ConfigError(
+              field, value,
+              f"{need}: preset {config.mesh.preset!r} splits dimension {name!r} over mesh axes {split}")
+
+
+def _field_value(config: Config, field: str) -> int:
+  value = config
+  for part in field.split("."):
+    value = getattr(value, part)
+  return value

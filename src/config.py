@@ -1,0 +1,221 @@
+"""Typed configuration for meshmoe, validated up front.
+
+Every section is a plain dataclass so that experiment files, notebooks and absl `--config.a.b=v` overrides
+all edit the same fields. `Config.validate(num_devices)` checks everything before any array is built; a
+bad value raises one `ConfigError` that names the field, the value and what is allowed.
+
+Sharding-dependent checks (a dimension that a preset splits over mesh axes must divide evenly) live beside
+the rules table in `meshmoe.sharding.rules` and are run from `Config.validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+MESH_AXES = ("data", "expert", "tensor", "sequence")
+PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
+# Parallel-op tiers (DESIGN.md). Only the tiers that exist are accepted.
+IMPLS = ("reference",)
+DTYPES = ("float32", "bfloat16")
+SCORE_FNS = ("softmax", "sigmoid")
+GEMM_IMPLS = ("auto", "blocked", "ragged_dot")
+
+
+class ConfigError(ValueError):
+  """An invalid configuration value: names the field, the value and what is allowed."""
+
+  def __init__(self, field: str, value: Any, allowed: str):
+    self.field, self.value, self.allowed = field, value, allowed
+    super().__init__(f"config.{field}={value!r} is invalid: {allowed}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  expert_mlp_dim: int = 256
+  num_shared_experts: int = 0  # each shared expert is a SwiGLU of width expert_mlp_dim
+  score_fn: str = "softmax"  # softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
+  normalize_top_k: bool = True  # rescale the chosen k weights to sum to 1
+  routed_scaling: float = 1.0  # multiplies the routed output (DeepSeek-V3: 2.5)
+  # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores only to choose experts.
+  # It is a non-trainable variable, nudged by `update_rate * sign(mean load - load)` after each step.
+  expert_bias: bool = False
+  expert_bias_update_rate: float = 1e-3
+  aux_loss_weight: float = 0.01  # Switch-style load-balancing loss
+  z_loss_weight: float = 1e-3  # router z-loss (ST-MoE)
+  # None: dropless (every token reaches its k experts). A number: each expert takes at most
+  # ceil(capacity_factor * tokens * top_k / num_experts) tokens per sequence; the rest are dropped and counted.
+  capacity_factor: float | None = None
+  # Grouped GEMM of the dropless path: "auto" picks per backend ("blocked" on CPU, "ragged_dot" elsewhere).
+  gemm_impl: str = "auto"
+  gemm_block_rows: int = 0  # rows per expert tile of the "blocked" GEMM; 0 picks one from the shapes
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+  vocab_size: int = 256
+  embed_dim: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  mlp_dim: int = 512  # width of the dense SwiGLU in dense layers
+  num_dense_layers: int = 0  # the first k layers use a dense MLP instead of the MoE block
+  max_seq_len: int = 256
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  init_std: float = 0.02
+  dtype: str = "float32"  # compute dtype; parameters are always float32
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MeshConfig:
+  """Mesh axis sizes; one of them may be -1 to take the remaining devices."""
+
+  data: int = -1
+  expert: int = 1
+  tensor: int = 1
+  sequence: int = 1
+  preset: str = "ep"  # rules preset, see meshmoe.sharding.rules
+
+  def sizes(self) -> dict[str, int]:
+    return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+  impl: str = "reference"  # parallel-op tier
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+  steps: int = 100
+  seed: int = 0
+  global_batch_size: int = 16
+  seq_len: int = 128
+  learning_rate: float = 3e-3
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+  def validate(self, num_devices: int | None = None) -> Config:
+    """Checks every field; with `num_devices`, also the mesh and the sharding divisibility. Returns self."""
+    _validate_model(self.model)
+    _validate_train(self.train, self.model)
+    _validate_mesh(self.mesh)
+    _check_choice("parallel.impl", self.parallel.impl, IMPLS)
+    if num_devices is not None:
+      from meshmoe.sharding import rules  # lazy: sharding imports this module
+
+      rules.check_divisibility(self, resolve_mesh_sizes(self.mesh, num_devices))
+    return self
+
+
+def resolve_mesh_sizes(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+  """Mesh axis sizes with the -1 axis (if any) filled so that the product is `num_devices`."""
+  _validate_mesh(mesh)
+  sizes = mesh.sizes()
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  free = [axis for axis, s in sizes.items() if s == -1]
+  described = ", ".join(f"{a}={s}" for a, s in sizes.items())
+  if free:
+    if num_devices % fixed:
+      raise ConfigError(
+          f"mesh.{free[0]}", -1,
+          f"-1 fills the devices left by the other axes, but {num_devices} devices are not divisible by "
+          f"their product {fixed} ({described})")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(
+        "mesh", described,
+        f"the product of the mesh axis sizes ({fixed}) must equal the device count ({num_devices}); "
+        "set one axis to -1 to fill the rest")
+  return sizes
+
+
+def _validate_mesh(mesh: MeshConfig) -> None:
+  for axis, size in mesh.sizes().items():
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ConfigError(f"mesh.{axis}", size, "a positive integer, or -1 to fill the remaining devices")
+  if sum(s == -1 for s in mesh.sizes().values()) > 1:
+    raise ConfigError("mesh", mesh.sizes(), "at most one axis may be -1")
+  _check_choice("mesh.preset", mesh.preset, PRESETS)
+
+
+def _validate_model(m: ModelConfig) -> None:
+  for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+               "max_seq_len"):
+    _check_positive_int(f"model.{name}", getattr(m, name))
+  _check_positive_float("model.rope_theta", m.rope_theta)
+  _check_positive_float("model.norm_eps", m.norm_eps)
+  _check_positive_float("model.init_std", m.init_std)
+  _check_choice("model.dtype", m.dtype, DTYPES)
+  if m.head_dim % 2:
+    raise ConfigError("model.head_dim", m.head_dim, "an even number (rotary embeddings rotate pairs)")
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError("model.num_kv_heads", m.num_kv_heads,
+                      f"a divisor of model.num_heads={m.num_heads} (grouped-query attention)")
+  if not isinstance(m.num_dense_layers, int) or not 0 <= m.num_dense_layers <= m.num_layers:
+    raise ConfigError("model.num_dense_layers", m.num_dense_layers,
+                      f"an integer from 0 to model.num_layers={m.num_layers}")
+  _validate_moe(m.moe)
+
+
+def _validate_moe(moe: MoEConfig) -> None:
+  _check_positive_int("model.moe.num_experts", moe.num_experts)
+  _check_positive_int("model.moe.top_k", moe.top_k)
+  _check_positive_int("model.moe.expert_mlp_dim", moe.expert_mlp_dim)
+  if moe.top_k > moe.num_experts:
+    raise ConfigError("model.moe.top_k", moe.top_k,
+                      f"at most model.moe.num_experts={moe.num_experts} (each token picks distinct experts)")
+  if not isinstance(moe.num_shared_experts, int) or moe.num_shared_experts < 0:
+    raise ConfigError("model.moe.num_shared_experts", moe.num_shared_experts, "an integer >= 0")
+  _check_choice("model.moe.score_fn", moe.score_fn, SCORE_FNS)
+  _check_positive_float("model.moe.routed_scaling", moe.routed_scaling)
+  for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
+    value = getattr(moe, name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+      raise ConfigError(f"model.moe.{name}", value, "a number >= 0")
+  if moe.capacity_factor is not None:
+    _check_positive_float("model.moe.capacity_factor", moe.capacity_factor,
+                          "None for dropless routing, or a number > 0")
+  _check_choice("model.moe.gemm_impl", moe.gemm_impl, GEMM_IMPLS)
+  if not isinstance(moe.gemm_block_rows, int) or moe.gemm_block_rows < 0:
+    raise ConfigError("model.moe.gemm_block_rows", moe.gemm_block_rows,
+                      "0 (chosen from the shapes) or a positive number of rows")
+
+
+def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
+  _check_positive_int("train.steps", t.steps)
+  _check_positive_int("train.global_batch_size", t.global_batch_size)
+  _check_positive_int("train.seq_len", t.seq_len)
+  _check_positive_float("train.learning_rate", t.learning_rate)
+  if not isinstance(t.seed, int) or isinstance(t.seed, bool):
+    raise ConfigError("train.seed", t.seed, "an integer")
+  if t.seq_len > m.max_seq_len:
+    raise ConfigError("train.seq_len", t.seq_len, f"at most model.max_seq_len={m.max_seq_len}")
+
+
+def _check_positive_int(field: str, value: Any) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ConfigError(field, value, "a positive integer")
+
+
+def _check_positive_float(field: str, value: Any, allowed: str = "a number > 0") -> None:
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or math.isinf(value):
+    raise ConfigError(field, value, allowed)
+
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ConfigError(field, value, "one of " + ", ".join(repr(c) for c in choices))

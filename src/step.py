@@ -1,0 +1,72 @@
+"""Sharded model creation and the jitted loss/gradient and training step.
+
+Parameters are created directly in their sharded layout (the init is jitted with the rules' shardings as
+outputs), so no device ever holds a full copy. The rules are activated inside the traced functions, so each
+jitted function is tied to one (mesh, preset) pair and nothing global leaks between meshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshmoe.config import Config
+from meshmoe.models.decoder import Transformer, lm_loss
+from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
+
+
+def init_model(config: Config, mesh: Mesh) -> Transformer:
+  """The model of `config`, initialised from `config.train.seed`, with parameters sharded on `mesh`."""
+  create = lambda: Transformer(config.model, rngs=nnx.Rngs(config.train.seed))
+  abstract = nnx.eval_shape(create)
+  shardings = param_shardings(nnx.state(abstract), mesh, config.mesh.preset)
+  state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
+  return nnx.merge(nnx.graphdef(abstract), state)
+
+
+def shard_batch(tokens_BS: jax.Array, config: Config, mesh: Mesh) -> jax.Array:
+  return jax.device_put(tokens_BS, batch_sharding(mesh, config.mesh.preset))
+
+
+def make_loss_and_grad(model: Transformer, config: Config, mesh: Mesh) -> Callable[..., Any]:
+  """Jitted f(params, others, inputs_BS, targets_BS) -> (loss, metrics, grads) for `model`'s structure."""
+  graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+  grad_shardings = param_shardings(params, mesh, config.mesh.preset)
+
+  def loss_and_grad(params, others, inputs_BS, targets_BS):
+    def loss_of(params):
+      with use_rules(mesh, config.mesh.preset):
+        return lm_loss(nnx.merge(graphdef, params, others), inputs_BS, targets_BS)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+    return loss, metrics, grads
+
+  return jax.jit(loss_and_grad)
+
+
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config: Config,
+                    mesh: Mesh) -> Callable[..., Any]:
+  """Jitted f(params, others, opt_state, inputs_BS, targets_BS) -> (params, others, opt_state, metrics).
+
+  `others` holds the non-trainable variables (the experts' selection bias), updated from expert load.
+  """
+  graphdef = nnx.graphdef(model)
+  loss_and_grad = make_loss_and_grad(model, config, mesh)
+
+  def train_step(params, others, opt_state, inputs_BS, targets_BS):
+    loss, metrics, grads = loss_and_grad(params, others, inputs_BS, targets_BS)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    updated = nnx.merge(graphdef, params, others)
+    updated.update_expert_bias(metrics["expert_load"])
+    _, _, others = nnx.split(updated, nnx.Param, ...)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return params, others, opt_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0, 1, 2))
