@@ -36,6 +36,9 @@ class ExpertWeights:
   down_EFD: jax.Array
 
 
+jax.tree_util.register_dataclass(ExpertWeights)
+
+
 def choose_block_rows(num_assignments: int, num_experts: int) -> int:
   """Largest power-of-two tile height whose worst-case padding E*(rows-1) stays within 1/8 of the rows."""
   rows = 1

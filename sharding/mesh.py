@@ -25,11 +25,15 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
   """A Mesh with axes MESH_AXES sized by `mesh_config` (-1 filled) over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = resolve_mesh_sizes(mesh_config, len(devices))
-  devices.sort(key=lambda d: (d.process_index, d.id))
-  placed = np.array(devices, dtype=object).reshape([sizes[a] for a in _PLACEMENT_ORDER])
-  grid = placed.transpose([_PLACEMENT_ORDER.index(a) for a in MESH_AXES])
   _warn_if_inner_axes_cross_hosts(sizes, devices)
-  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(sizes: dict[str, int], devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices arranged [data, expert, tensor, sequence], `tensor` varying fastest, hosts outermost."""
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  placed = np.array(ordered, dtype=object).reshape([sizes[a] for a in _PLACEMENT_ORDER])
+  return placed.transpose([_PLACEMENT_ORDER.index(a) for a in MESH_AXES])
 
 
 def _warn_if_inner_axes_cross_hosts(sizes: dict[str, int], devices: list[jax.Device]) -> None:

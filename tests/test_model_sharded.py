@@ -1,0 +1,92 @@
+"""The whole model's loss and gradients on many mesh layouts equal the single-device result (1e-4)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshmoe import step
+from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, TrainConfig
+from meshmoe.sharding.mesh import make_mesh
+from tests.tolerances import FP32_MODEL_RTOL, assert_close
+
+
+def small_config(**moe_overrides) -> Config:
+  """Every feature on: a dense first layer, shared experts, untied output, divisible on every layout."""
+  moe = MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=32, num_shared_experts=1, **moe_overrides)
+  return Config(
+      model=ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_dense_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=16, tie_embeddings=False,
+                        init_std=0.1, moe=moe),
+      train=TrainConfig(global_batch_size=8, seq_len=16, seed=3),
+  )
+
+
+# (data, expert, tensor, sequence), preset
+LAYOUTS = [
+    ((8, 1, 1, 1), "dp"),
+    ((1, 8, 1, 1), "ep"),
+    ((2, 2, 2, 1), "tp_sp"),
+    ((2, 2, 1, 2), "megascale"),
+    ((1, 4, 2, 1), "tp_sp"),
+    ((8, 1, 1, 1), "fsdp"),
+    ((4, 2, 1, 1), "zero1"),
+    ((2, 1, 2, 2), "tp_sp"),
+    ((1, 2, 1, 4), "megascale"),
+    ((2, 4, 1, 1), "ep"),
+    ((1, 2, 2, 2), "megascale"),
+    ((2, 2, 2, 1), "fsdp"),
+]
+
+
+def _loss_and_grads(config: Config, devices) -> tuple[float, dict]:
+  mesh = make_mesh(config.mesh, devices)
+  config.validate(len(devices))
+  model = step.init_model(config, mesh)
+  _, params, others = nnx.split(model, nnx.Param, ...)
+  b, s = config.train.global_batch_size, config.train.seq_len
+  tokens = jax.random.randint(jax.random.key(7), (b, s + 1), 0, config.model.vocab_size)
+  inputs = step.shard_batch(tokens[:, :-1], config, mesh)
+  targets = step.shard_batch(tokens[:, 1:], config, mesh)
+  loss, _, grads = step.make_loss_and_grad(model, config, mesh)(params, others, inputs, targets)
+  return float(loss), {path: np.asarray(v) for path, v in nnx.to_flat_state(grads)}
+
+
+_REFERENCE: dict[str, tuple[float, dict]] = {}
+
+
+def _single_device(variant: str, config: Config) -> tuple[float, dict]:
+  if variant not in _REFERENCE:
+    config.mesh = MeshConfig(data=1, preset="dp")
+    _REFERENCE[variant] = _loss_and_grads(config, jax.devices()[:1])
+  return _REFERENCE[variant]
+
+
+def _check_layout(variant: str, moe_overrides: dict, sizes, preset):
+  ref_loss, ref_grads = _single_device(variant, small_config(**moe_overrides))
+  config = small_config(**moe_overrides)
+  data, expert, tensor, sequence = sizes
+  config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
+  loss, grads = _loss_and_grads(config, jax.devices())
+  assert_close(loss, ref_loss, FP32_MODEL_RTOL, "loss")
+  assert grads.keys() == ref_grads.keys()
+  for path in ref_grads:
+    assert_close(grads[path], ref_grads[path], FP32_MODEL_RTOL, f"grad {'/'.join(map(str, path))}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
+def test_dropless_model_matches_single_device(sizes, preset):
+  _check_layout("dropless", {}, sizes, preset)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset", [((2, 4, 1, 1), "ep"), ((2, 2, 1, 2), "megascale")])
+def test_capacity_model_matches_single_device(sizes, preset):
+  _check_layout("capacity", {"capacity_factor": 0.75}, sizes, preset)
+
+
+@pytest.mark.slow
+def test_sigmoid_bias_ragged_dot_model_matches_single_device():
+  overrides = {"score_fn": "sigmoid", "expert_bias": True, "gemm_impl": "ragged_dot", "routed_scaling": 2.0}
+  _check_layout("sigmoid_ragged", overrides, (2, 2, 2, 1), "tp_sp")

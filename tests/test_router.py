@@ -1,0 +1,114 @@
+"""Router and router-loss unit tests against hand-computed values."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshmoe.config import MoEConfig
+from meshmoe.models.router import Router, update_expert_bias
+from tests.tolerances import FP32_MODULE_RTOL, assert_close
+
+D, E = 8, 4
+
+
+def _router(**overrides) -> Router:
+  return Router(D, MoEConfig(num_experts=E, **{"top_k": 2, **overrides}), std=0.5, rngs=nnx.Rngs(0))
+
+
+def _softmax(z):
+  z = np.asarray(z, np.float64)
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def test_softmax_top2_weights_and_choice():
+  router = _router()
+  x = jax.random.normal(jax.random.key(0), (5, D))
+  out = router(x)
+  probs = _softmax(np.asarray(x, np.float64) @ np.asarray(router.kernel_DE[...], np.float64))
+  expected_choice = np.argsort(-probs, axis=-1)[:, :2]
+  np.testing.assert_array_equal(np.asarray(out.experts_TK), expected_choice)
+  top = np.take_along_axis(probs, expected_choice, -1)
+  assert_close(out.weights_TK, top / top.sum(-1, keepdims=True), FP32_MODULE_RTOL, "weights")
+
+
+def test_sigmoid_unnormalised_scaled_weights():
+  router = _router(score_fn="sigmoid", normalize_top_k=False, routed_scaling=2.5)
+  x = jax.random.normal(jax.random.key(1), (5, D))
+  out = router(x)
+  scores = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ np.asarray(router.kernel_DE[...], np.float64))))
+  choice = np.argsort(-scores, axis=-1)[:, :2]
+  np.testing.assert_array_equal(np.asarray(out.experts_TK), choice)
+  assert_close(out.weights_TK, 2.5 * np.take_along_axis(scores, choice, -1), FP32_MODULE_RTOL, "weights")
+
+
+def test_expert_bias_changes_choice_but_not_weights():
+  router = _router(expert_bias=True)
+  x = jax.random.normal(jax.random.key(2), (6, D))
+  router.bias_E[...] = jnp.array([0.0, 0.0, 5.0, 5.0])
+  out = router(x)
+  np.testing.assert_array_equal(np.sort(np.asarray(out.experts_TK), -1), np.tile([2, 3], (6, 1)))
+  probs = _softmax(np.asarray(x, np.float64) @ np.asarray(router.kernel_DE[...], np.float64))
+  top = np.take_along_axis(probs, np.asarray(out.experts_TK), -1)
+  assert_close(out.weights_TK, top / top.sum(-1, keepdims=True), FP32_MODULE_RTOL, "unbiased weights")
+
+
+def test_expert_bias_is_not_a_trainable_param():
+  router = _router(expert_bias=True)
+  params = nnx.state(router, nnx.Param)
+  assert "bias_E" not in params
+  assert "bias_E" in nnx.state(router)
+
+
+def test_update_expert_bias_moves_toward_balance():
+  bias = jnp.zeros((E,))
+  load = jnp.array([10.0, 2.0, 4.0, 4.0])  # mean 5
+  new = update_expert_bias(bias, load, rate=0.1)
+  np.testing.assert_allclose(np.asarray(new), [-0.1, 0.1, 0.1, 0.1])
+
+
+def test_uniform_router_losses():
+  """Zero logits: every probability is 1/E, so the balance loss is exactly 1 and z-loss is log(E)^2."""
+  router = _router()
+  router.kernel_DE[...] = jnp.zeros((D, E))
+  out = router(jnp.ones((7, D)))
+  np.testing.assert_allclose(float(out.aux_loss), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(float(out.z_loss), math.log(E) ** 2, rtol=1e-6)
+  assert float(jnp.sum(out.load_E)) == 7 * 2
+
+
+def test_balance_loss_matches_formula_and_penalises_imbalance():
+  router = _router()
+  x = jax.random.normal(jax.random.key(3), (9, D))
+  out = router(x)
+  logits = np.asarray(x, np.float64) @ np.asarray(router.kernel_DE[...], np.float64)
+  probs = _softmax(logits)
+  choice = np.argsort(-probs, axis=-1)[:, :2]
+  fraction = np.bincount(choice.reshape(-1), minlength=E) / (9 * 2)
+  expected_aux = E * np.sum(fraction * probs.mean(0))
+  assert_close(out.aux_loss, expected_aux, FP32_MODULE_RTOL, "aux loss")
+  z = np.log(np.exp(logits).sum(-1))
+  assert_close(out.z_loss, np.mean(z ** 2), FP32_MODULE_RTOL, "z loss")
+  np.testing.assert_array_equal(np.asarray(out.load_E), np.bincount(choice.reshape(-1), minlength=E))
+
+  # All tokens on the experts with the highest mean probability: the loss exceeds the balanced value 1.
+  router.kernel_DE[...] = jnp.zeros((D, E)).at[:, 0].set(3.0).at[:, 1].set(2.0)
+  assert float(router(jnp.ones((9, D))).aux_loss) > 1.5
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_router_losses_have_gradients(score_fn):
+  router = _router(score_fn=score_fn)
+  graphdef, params = nnx.split(router)
+  x = jax.random.normal(jax.random.key(4), (6, D))
+
+  def losses(params):
+    out = nnx.merge(graphdef, params)(x)
+    return out.aux_loss + out.z_loss
+
+  grads = jax.grad(losses)(params)
+  assert float(jnp.sum(jnp.abs(grads["kernel_DE"][...]))) > 0

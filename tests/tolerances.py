@@ -1,0 +1,22 @@
+"""Fixed tolerances (DESIGN.md, "Testing") and the one comparison every test uses.
+
+Relative error is measured against the size of the expected tensor: max|actual - expected| <= rtol *
+max|expected|. Elementwise relative error would be dominated by entries that happen to be near zero.
+"""
+
+import numpy as np
+
+FP32_MODULE_RTOL = 1e-5  # one module (router, MoE block) against its reference
+FP32_MODEL_RTOL = 1e-4  # a whole model's loss and gradients against the single-device result
+
+
+def assert_close(actual, expected, rtol: float, what: str = "") -> None:
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+  scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+  error = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
+  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+  assert error <= rtol * scale, (
+      f"{what}: max abs error {error:.3e} exceeds {rtol:g} x max |expected| {scale:.3e} "
+      f"(relative {error / scale if scale else float('inf'):.3e})")
