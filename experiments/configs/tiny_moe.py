@@ -3,9 +3,9 @@
   bash experiments/run.sh train
 
 Shape: 4 layers (the first dense), d_model 128, 4 query / 2 key-value heads, 8 experts of width 256 with
-top-2 softmax routing, byte vocabulary (256), sequences of 128 bytes, 16 sequences per step. About 2.4M
-parameters, 1.6M of them active per token. Expect the loss to fall from ~5.6 (uniform over bytes) to
-below 3 within 100 steps.
+top-2 softmax routing, byte vocabulary (256), sequences of 128 bytes, 16 sequences per step. 2.79M
+parameters, 1.02M of them active per token. Expect the loss to fall from about 5.4 to about 2.4 in 100
+steps (about 35 s on one 2-core CPU).
 """
 
 from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, TrainConfig
