@@ -1,4 +1,4 @@
-"""A short training demo of the default experiment until the full runner exists.
+"""A short training run of the default experiment (tiny_moe) with AdamW.
 
   bash experiments/run.sh train [--steps=N] [--preset=ep] [--data=-1 --expert=1 --tensor=1 --sequence=1]
 
@@ -58,7 +58,7 @@ def main(argv):
   try:
     config.validate(jax.device_count())
   except ConfigError as e:
-    raise app.UsageError(str(e)) from None
+    raise SystemExit(f"error: {e}") from None
 
   mesh = make_mesh(config.mesh)
   print(f"mesh {dict(mesh.shape)} preset {config.mesh.preset} on {jax.device_count()} {jax.default_backend()} "

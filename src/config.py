@@ -165,7 +165,8 @@ def _validate_model(m: ModelConfig) -> None:
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("model.num_kv_heads", m.num_kv_heads,
                       f"a divisor of model.num_heads={m.num_heads} (grouped-query attention)")
-  if not isinstance(m.num_dense_layers, int) or not 0 <= m.num_dense_layers <= m.num_layers:
+  if (not isinstance(m.num_dense_layers, int) or isinstance(m.num_dense_layers, bool)
+      or not 0 <= m.num_dense_layers <= m.num_layers):
     raise ConfigError("model.num_dense_layers", m.num_dense_layers,
                       f"an integer from 0 to model.num_layers={m.num_layers}")
   _validate_moe(m.moe)
@@ -178,7 +179,8 @@ def _validate_moe(moe: MoEConfig) -> None:
   if moe.top_k > moe.num_experts:
     raise ConfigError("model.moe.top_k", moe.top_k,
                       f"at most model.moe.num_experts={moe.num_experts} (each token picks distinct experts)")
-  if not isinstance(moe.num_shared_experts, int) or moe.num_shared_experts < 0:
+  if (not isinstance(moe.num_shared_experts, int) or isinstance(moe.num_shared_experts, bool)
+      or moe.num_shared_experts < 0):
     raise ConfigError("model.moe.num_shared_experts", moe.num_shared_experts, "an integer >= 0")
   _check_choice("model.moe.score_fn", moe.score_fn, SCORE_FNS)
   _check_positive_float("model.moe.routed_scaling", moe.routed_scaling)
@@ -190,7 +192,8 @@ def _validate_moe(moe: MoEConfig) -> None:
     _check_positive_float("model.moe.capacity_factor", moe.capacity_factor,
                           "None for dropless routing, or a number > 0")
   _check_choice("model.moe.gemm_impl", moe.gemm_impl, GEMM_IMPLS)
-  if not isinstance(moe.gemm_block_rows, int) or moe.gemm_block_rows < 0:
+  if (not isinstance(moe.gemm_block_rows, int) or isinstance(moe.gemm_block_rows, bool)
+      or moe.gemm_block_rows < 0):
     raise ConfigError("model.moe.gemm_block_rows", moe.gemm_block_rows,
                       "0 (chosen from the shapes) or a positive number of rows")
 

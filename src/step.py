@@ -66,7 +66,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     updated = nnx.merge(graphdef, params, others)
     updated.update_expert_bias(metrics["expert_load"])
     _, _, others = nnx.split(updated, nnx.Param, ...)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return params, others, opt_state, metrics
 
   return jax.jit(train_step, donate_argnums=(0, 1, 2))
