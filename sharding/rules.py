@@ -138,21 +138,38 @@ def _dimension_sizes(config: Config) -> dict[str, list[tuple[str, int, int]]]:
   return sizes
 
 
+# How a divisibility error names each split dimension.
+_DESCRIPTION = {
+    "vocab": "the vocabulary", "embed": "the model dimension", "heads": "the attention heads",
+    "kv_heads": "the key/value heads", "head_dim": "the head dimension", "mlp": "the dense MLP width",
+    "exp": "the experts", "exp_mlp": "the expert MLP width", "act_batch": "the batch",
+    "act_seq": "the sequence between blocks", "act_attn_seq": "the sequence inside attention",
+}
+
+
 def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
-  """Raises ConfigError when a preset splits a dimension over mesh axes whose product does not divide it."""
+  """Raises ConfigError when a preset splits a dimension over mesh axes whose product does not divide it.
+
+  Dimensions set by one field directly are checked before derived ones (the shared experts' width), so
+  the error names the field to change.
+  """
   preset = get_preset(config.mesh.preset)
   sizes = _dimension_sizes(config)
+  problems = []
   for rules in (preset.params, preset.activations, preset.optimizer_rules()):
     for name, axes in rules.items():
       parts = math.prod(mesh_sizes[a] for a in axes)
       for field, value, size in sizes.get(name, []):
         if size % parts:
-          split = " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
-          need = (f"a multiple of {parts}" if size == value else
-                  f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
-          raise ConfigError(
-              field, value,
-              f"{need}: preset {config.mesh.preset!r} splits dimension {name!r} over mesh axes {split}")
+          problems.append((size != value, name, axes, parts, field, value, size))
+  if not problems:
+    return
+  _, name, axes, parts, field, value, size = min(problems, key=lambda p: p[0])
+  split = " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
+  need = (f"a multiple of {parts}" if size == value else
+          f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
+  what = _DESCRIPTION.get(name) or _DESCRIPTION.get(name.removeprefix("act_"), name)
+  raise ConfigError(field, value, f"{need}: preset {config.mesh.preset!r} splits {what} over mesh axes {split}")
 
 
 def _field_value(config: Config, field: str) -> int:

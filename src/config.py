@@ -123,11 +123,13 @@ class Config:
 
 def resolve_mesh_sizes(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
   """Mesh axis sizes with the -1 axis (if any) filled so that the product is `num_devices`."""
+  if not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
   _validate_mesh(mesh)
   sizes = mesh.sizes()
   fixed = math.prod(s for s in sizes.values() if s != -1)
   free = [axis for axis, s in sizes.items() if s == -1]
-  described = ", ".join(f"{a}={s}" for a, s in sizes.items())
+  described = _describe(sizes)
   if free:
     if num_devices % fixed:
       raise ConfigError(
@@ -143,12 +145,16 @@ def resolve_mesh_sizes(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
   return sizes
 
 
+def _describe(sizes: dict[str, int]) -> str:
+  return ", ".join(f"{axis}={size}" for axis, size in sizes.items())
+
+
 def _validate_mesh(mesh: MeshConfig) -> None:
   for axis, size in mesh.sizes().items():
     if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
       raise ConfigError(f"mesh.{axis}", size, "a positive integer, or -1 to fill the remaining devices")
   if sum(s == -1 for s in mesh.sizes().values()) > 1:
-    raise ConfigError("mesh", mesh.sizes(), "at most one axis may be -1")
+    raise ConfigError("mesh", _describe(mesh.sizes()), "at most one axis may be -1")
   _check_choice("mesh.preset", mesh.preset, PRESETS)
 
 
@@ -186,11 +192,11 @@ def _validate_moe(moe: MoEConfig) -> None:
   _check_positive_float("model.moe.routed_scaling", moe.routed_scaling)
   for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
     value = getattr(moe, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-      raise ConfigError(f"model.moe.{name}", value, "a number >= 0")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+      raise ConfigError(f"model.moe.{name}", value, "a finite number >= 0")
   if moe.capacity_factor is not None:
     _check_positive_float("model.moe.capacity_factor", moe.capacity_factor,
-                          "None for dropless routing, or a number > 0")
+                          "None for dropless routing, or a finite number > 0")
   _check_choice("model.moe.gemm_impl", moe.gemm_impl, GEMM_IMPLS)
   if (not isinstance(moe.gemm_block_rows, int) or isinstance(moe.gemm_block_rows, bool)
       or moe.gemm_block_rows < 0):
@@ -214,7 +220,7 @@ def _check_positive_int(field: str, value: Any) -> None:
     raise ConfigError(field, value, "a positive integer")
 
 
-def _check_positive_float(field: str, value: Any, allowed: str = "a number > 0") -> None:
+def _check_positive_float(field: str, value: Any, allowed: str = "a finite number > 0") -> None:
   if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or math.isinf(value):
     raise ConfigError(field, value, allowed)
 

@@ -107,20 +107,20 @@ POSITIVE_FLOAT_FIELDS = [
 @pytest.mark.parametrize("value", [0, 0.0, -1, -1.0, INF, -INF, NAN, True, "1e-3"], ids=repr)
 @pytest.mark.parametrize("field", POSITIVE_FLOAT_FIELDS)
 def test_positive_float_fields(field, value):
-  expect_error(make(**{field: value}), field, value, "a number > 0")
+  expect_error(make(**{field: value}), field, value, "a finite number > 0")
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.5, INF, NAN, True, "1.25"], ids=repr)
 def test_capacity_factor(value):
   field = "model.moe.capacity_factor"
-  expect_error(make(**{field: value}), field, value, "None for dropless routing, or a number > 0")
+  expect_error(make(**{field: value}), field, value, "None for dropless routing, or a finite number > 0")
 
 
-@pytest.mark.parametrize("value", [-1e-3, -1, NAN, True, "0.01"], ids=repr)
+@pytest.mark.parametrize("value", [-1e-3, -1, NAN, INF, True, "0.01"], ids=repr)
 @pytest.mark.parametrize("field", [
     "model.moe.aux_loss_weight", "model.moe.z_loss_weight", "model.moe.expert_bias_update_rate"])
 def test_non_negative_loss_weights(field, value):
-  expect_error(make(**{field: value}), field, value, "a number >= 0")
+  expect_error(make(**{field: value}), field, value, "a finite number >= 0")
 
 
 @pytest.mark.parametrize("field, value, allowed", [pytest.param(*c, id=f"{c[0]}={c[1]!r}") for c in [
@@ -194,7 +194,7 @@ def test_mesh_axis_size(axis, value):
 
 def test_mesh_two_fill_axes():
   expect_error(make(**{"mesh.data": -1, "mesh.expert": -1}), "mesh",
-               {"data": -1, "expert": -1, "tensor": 1, "sequence": 1}, "at most one axis may be -1")
+               "data=-1, expert=-1, tensor=1, sequence=1", "at most one axis may be -1")
 
 
 def test_mesh_product_must_equal_device_count():
@@ -267,8 +267,17 @@ def test_default_model_fits_every_preset_on_8_devices(mesh):
   make(mesh=mesh).validate(8)
 
 
+# The words each error uses for a split dimension (logical name -> description).
+WORDS = {
+    "exp": "the experts", "heads": "the attention heads", "kv_heads": "the key/value heads",
+    "vocab": "the vocabulary", "mlp": "the dense MLP width", "exp_mlp": "the expert MLP width",
+    "act_attn_seq": "the sequence inside attention", "act_seq": "the sequence between blocks",
+    "act_batch": "the batch", "embed": "the model dimension",
+}
+
+
 def _split(preset: str, dim: str, axes: str) -> str:
-  return f"preset {preset!r} splits dimension {dim!r} over mesh axes {axes}"
+  return f"preset {preset!r} splits {WORDS[dim]} over mesh axes {axes}"
 
 
 @pytest.mark.parametrize("fields, mesh, field, value, allowed", [
@@ -305,12 +314,11 @@ def _split(preset: str, dim: str, axes: str) -> str:
         "model.moe.expert_mlp_dim", 6, "a multiple of 4: " + _split("megascale", "exp_mlp", "tensor=4"),
         id="megascale-expert-mlp"),
     pytest.param(
-        # Shared experts form one dense SwiGLU of width num_shared * expert_mlp_dim = 6, split like "mlp", which
-        # tp_sp checks before "exp_mlp": the error names num_shared_experts and the dimension's size.
+        # Shared experts form one dense SwiGLU of width num_shared * expert_mlp_dim = 6. Direct fields are
+        # reported before derived widths, so the error names expert_mlp_dim, the field to change.
         {"model.moe.num_shared_experts": 1, "model.moe.expert_mlp_dim": 6, "model.num_kv_heads": 4},
-        MeshConfig(data=2, tensor=4, preset="tp_sp"), "model.moe.num_shared_experts", 1,
-        "a value that makes the dimension it sets (now 6) a multiple of 4: " + _split("tp_sp", "mlp", "tensor=4"),
-        id="tp_sp-shared-experts"),
+        MeshConfig(data=2, tensor=4, preset="tp_sp"), "model.moe.expert_mlp_dim", 6,
+        "a multiple of 4: " + _split("tp_sp", "exp_mlp", "tensor=4"), id="tp_sp-shared-experts-width"),
     pytest.param(  # attention sequence over `sequence`
         {"train.seq_len": 100}, MeshConfig(data=1, sequence=8, preset="tp_sp"),
         "train.seq_len", 100, "a multiple of 8: " + _split("tp_sp", "act_attn_seq", "sequence=8"),
@@ -371,3 +379,9 @@ def test_replace_keeps_validation():
   cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, head_dim=31))
   expect_error(cfg, "model.head_dim", 31, "an even number (rotary embeddings rotate pairs)")
   base.validate(8)  # the original is untouched
+
+
+@pytest.mark.parametrize("num_devices", [0, -8])
+def test_resolve_mesh_sizes_rejects_impossible_device_counts(num_devices):
+  with pytest.raises(ValueError, match="num_devices must be a positive integer"):
+    resolve_mesh_sizes(MeshConfig(), num_devices)
