@@ -49,9 +49,7 @@ def main(argv):
   model = step.init_model(config, mesh)
   _, params, others = nnx.split(model, nnx.Param, ...)
   b, s = config.train.global_batch_size, config.train.seq_len
-  tokens = jax.random.randint(jax.random.key(0), (b, s + 1), 0, config.model.vocab_size)
-  inputs = step.shard_batch(tokens[:, :-1], config, mesh)
-  targets = step.shard_batch(tokens[:, 1:], config, mesh)
+  inputs, targets = step.synthetic_batch(config, mesh)
   loss_and_grad = step.make_loss_and_grad(model, config, mesh)
   compiled = loss_and_grad.lower(params, others, inputs, targets).compile()
   jax.block_until_ready(compiled(params, others, inputs, targets))

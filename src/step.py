@@ -33,6 +33,13 @@ def shard_batch(tokens_BS: jax.Array, config: Config, mesh: Mesh) -> jax.Array:
   return jax.device_put(tokens_BS, batch_sharding(mesh, config.mesh.preset))
 
 
+def synthetic_batch(config: Config, mesh: Mesh, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Uniformly random (inputs_BS, targets_BS) of the config's batch shape, sharded (benchmarks, tests)."""
+  b, s = config.train.global_batch_size, config.train.seq_len
+  tokens = jax.random.randint(jax.random.key(seed), (b, s + 1), 0, config.model.vocab_size)
+  return shard_batch(tokens[:, :-1], config, mesh), shard_batch(tokens[:, 1:], config, mesh)
+
+
 def make_loss_and_grad(model: Transformer, config: Config, mesh: Mesh) -> Callable[..., Any]:
   """Jitted f(params, others, inputs_BS, targets_BS) -> (loss, metrics, grads) for `model`'s structure."""
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)

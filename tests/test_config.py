@@ -229,7 +229,8 @@ def test_mesh_fill_axis_must_divide_devices(mesh, field, product, described):
     (MeshConfig(data=2, expert=2, tensor=2, sequence=1), 8, (2, 2, 2, 1)),  # no -1: returned as given
 ])
 def test_resolve_mesh_sizes(mesh, num_devices, sizes):
-  assert resolve_mesh_sizes(mesh, num_devices) == dict(zip(("data", "expert", "tensor", "sequence"), sizes))
+  expected = dict(zip(("data", "expert", "tensor", "sequence"), sizes, strict=True))
+  assert resolve_mesh_sizes(mesh, num_devices) == expected
 
 
 def test_resolve_mesh_sizes_does_not_modify_the_config():

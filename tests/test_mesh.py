@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 

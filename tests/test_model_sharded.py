@@ -44,10 +44,7 @@ def _loss_and_grads(config: Config, devices) -> tuple[float, dict]:
   config.validate(len(devices))
   model = step.init_model(config, mesh)
   _, params, others = nnx.split(model, nnx.Param, ...)
-  b, s = config.train.global_batch_size, config.train.seq_len
-  tokens = jax.random.randint(jax.random.key(7), (b, s + 1), 0, config.model.vocab_size)
-  inputs = step.shard_batch(tokens[:, :-1], config, mesh)
-  targets = step.shard_batch(tokens[:, 1:], config, mesh)
+  inputs, targets = step.synthetic_batch(config, mesh, seed=7)
   loss, _, grads = step.make_loss_and_grad(model, config, mesh)(params, others, inputs, targets)
   return float(loss), {path: np.asarray(v) for path, v in nnx.to_flat_state(grads)}
 

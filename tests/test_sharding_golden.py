@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 
-import jax
 from flax import nnx
 
 from meshmoe import step

@@ -12,12 +12,6 @@ from meshmoe.sharding.mesh import make_mesh
 from tests.test_model_sharded import small_config
 
 
-def _batch(config, mesh):
-  b, s = config.train.global_batch_size, config.train.seq_len
-  tokens = jax.random.randint(jax.random.key(5), (b, s + 1), 0, config.model.vocab_size)
-  return step.shard_batch(tokens[:, :-1], config, mesh), step.shard_batch(tokens[:, 1:], config, mesh)
-
-
 def test_train_step_updates_bias_from_load_and_params_from_gradients():
   config = small_config(expert_bias=True, expert_bias_update_rate=0.01)
   config.mesh = MeshConfig(data=2, expert=4, preset="ep")
@@ -27,7 +21,7 @@ def test_train_step_updates_bias_from_load_and_params_from_gradients():
   _, params, others = nnx.split(model, nnx.Param, ...)
   opt_state = optimizer.init(params)
   params_before = jax.tree.map(np.asarray, params)
-  inputs, targets = _batch(config, mesh)
+  inputs, targets = step.synthetic_batch(config, mesh, seed=5)
   loss, metrics, grads = step.make_loss_and_grad(model, config, mesh)(params, others, inputs, targets)
   train_step = step.make_train_step(model, optimizer, config, mesh)
   new_params, new_others, _, step_metrics = train_step(params, others, opt_state, inputs, targets)
@@ -35,7 +29,7 @@ def test_train_step_updates_bias_from_load_and_params_from_gradients():
   np.testing.assert_allclose(float(step_metrics["loss"]), float(loss), rtol=1e-6)
   for (path, before), (_, after), (_, grad) in zip(nnx.to_flat_state(params_before),
                                                    nnx.to_flat_state(new_params),
-                                                   nnx.to_flat_state(grads)):
+                                                   nnx.to_flat_state(grads), strict=True):
     np.testing.assert_allclose(np.asarray(after), np.asarray(before) - 0.1 * np.asarray(grad),
                                rtol=1e-5, atol=1e-7, err_msg=str(path))
   load = np.asarray(metrics["expert_load"][0])
@@ -55,7 +49,7 @@ def test_bfloat16_compute_tracks_float32():
     config.model.dtype = dtype
     model = step.init_model(config, mesh)
     _, params, others = nnx.split(model, nnx.Param, ...)
-    inputs, targets = _batch(config, mesh)
+    inputs, targets = step.synthetic_batch(config, mesh, seed=5)
     loss, _, grads = step.make_loss_and_grad(model, config, mesh)(params, others, inputs, targets)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads)), "gradients must stay float32"
     losses[dtype] = float(loss)
