@@ -87,15 +87,15 @@ def dropless_blocked(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, rows: in
   token_R = jnp.full((num_tiles * rows,), b * s, jnp.int32).at[row_A].set(order_A // k)
   x_RD = jnp.concatenate([x_TD, jnp.zeros_like(x_TD[:1])])[token_R]
   # Tiles past the last used one get expert E-1; their rows are zero and never read back.
-  expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(num_tiles), side="right"),
+  expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(num_tiles), side="right"),
                          num_experts - 1)
   dtype = x_BSD.dtype
   # Tiles are independent: spread them over the devices that hold different tokens.
-  x_NRD = constrain(x_RD.reshape(num_tiles, rows, d), ("act_tokens", None, "act_embed"))
-  gate = jnp.einsum("nrd,ndf->nrf", x_NRD, w.gate_EDF[expert_N].astype(dtype))
-  up = jnp.einsum("nrd,ndf->nrf", x_NRD, w.up_EDF[expert_N].astype(dtype))
-  y_NRD = jnp.einsum("nrf,nfd->nrd", jax.nn.silu(gate) * up, w.down_EFD[expert_N].astype(dtype))
-  y_AD = y_NRD.reshape(num_tiles * rows, d)[row_A]
+  x_MRD = constrain(x_RD.reshape(num_tiles, rows, d), ("act_tokens", None, "act_embed"))
+  gate = jnp.einsum("mrd,mdf->mrf", x_MRD, w.gate_EDF[expert_M].astype(dtype))
+  up = jnp.einsum("mrd,mdf->mrf", x_MRD, w.up_EDF[expert_M].astype(dtype))
+  y_MRD = jnp.einsum("mrf,mfd->mrd", jax.nn.silu(gate) * up, w.down_EFD[expert_M].astype(dtype))
+  y_AD = y_MRD.reshape(num_tiles * rows, d)[row_A]
   weight_A = weights_BSK.reshape(-1)[order_A].astype(dtype)
   y_TD = jnp.zeros_like(x_TD).at[order_A // k].add(y_AD * weight_A[:, None])
   return y_TD.reshape(b, s, d)

@@ -2,7 +2,8 @@
 
 Shape suffixes used across meshmoe.models:
   B batch, S sequence, D model dim, N query heads, G key/value heads, H head dim, F MLP width,
-  E experts, K experts per token (top-k), V vocabulary, T tokens (flattened), R rows of a dispatch buffer,
+  E experts, K experts per token (top-k), V vocabulary, T tokens (flattened), A assignments (token, choice
+  pairs), I assignments in capacity-priority order, R rows of a dispatch buffer, M tiles of rows,
   C expert capacity.
 """
 
