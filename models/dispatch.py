@@ -61,8 +61,7 @@ def dropless_ragged(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights) -> jax.Ar
   gate = jax.lax.ragged_dot(x_AD, w.gate_EDF.astype(dtype), sizes_E)
   up = jax.lax.ragged_dot(x_AD, w.up_EDF.astype(dtype), sizes_E)
   y_AD = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.down_EFD.astype(dtype), sizes_E)
-  weight_A = weights_BSK.reshape(-1)[order_A].astype(dtype)
-  y_TD = jnp.zeros_like(x_TD).at[token_A].add(y_AD * weight_A[:, None])
+  y_TD = _combine(y_AD, weights_BSK.reshape(-1)[order_A], token_A, b * s)
   return y_TD.reshape(b, s, d)
 
 
@@ -96,8 +95,7 @@ def dropless_blocked(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, rows: in
   up = jnp.einsum("mrd,mdf->mrf", x_MRD, w.up_EDF[expert_M].astype(dtype))
   y_MRD = jnp.einsum("mrf,mfd->mrd", jax.nn.silu(gate) * up, w.down_EFD[expert_M].astype(dtype))
   y_AD = y_MRD.reshape(num_tiles * rows, d)[row_A]
-  weight_A = weights_BSK.reshape(-1)[order_A].astype(dtype)
-  y_TD = jnp.zeros_like(x_TD).at[order_A // k].add(y_AD * weight_A[:, None])
+  y_TD = _combine(y_AD, weights_BSK.reshape(-1)[order_A], order_A // k, b * s)
   return y_TD.reshape(b, s, d)
 
 
@@ -131,6 +129,12 @@ def _capacity_sequence(x_SD, experts_SK, weights_SK, w: ExpertWeights, cap: int)
   up = jnp.einsum("ecd,edf->ecf", x_ECD, w.up_EDF.astype(dtype))
   y_ECD = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w.down_EFD.astype(dtype))
   y_RD = jnp.concatenate([y_ECD.reshape(num_experts * cap, -1), jnp.zeros_like(x_SD[:1])])
-  weight_I = weights_SK.T.reshape(-1).astype(dtype)
-  y_SD = jnp.zeros_like(x_SD).at[token_I].add(y_RD[slot_I] * weight_I[:, None])
+  y_SD = _combine(y_RD[slot_I], weights_SK.T.reshape(-1), token_I, s)
   return y_SD, k * s - jnp.sum(kept_I)
+
+
+def _combine(y_AD, weight_A, token_A, num_tokens: int) -> jax.Array:
+  """sum over each token's assignments of weight * expert output, accumulated in float32."""
+  weighted = y_AD.astype(jnp.float32) * weight_A.astype(jnp.float32)[:, None]
+  y_TD = jnp.zeros((num_tokens, y_AD.shape[-1]), jnp.float32).at[token_A].add(weighted)
+  return y_TD.astype(y_AD.dtype)
