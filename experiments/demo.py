@@ -66,7 +66,7 @@ def main(argv):
   model = step.init_model(config, mesh)
   optimizer = optax.adamw(config.train.learning_rate, weight_decay=0.01)
   _, params, others = nnx.split(model, nnx.Param, ...)
-  opt_state = jax.jit(optimizer.init)(params)
+  opt_state = step.init_optimizer_state(optimizer, params, config, mesh)
   train_step = step.make_train_step(model, optimizer, config, mesh)
 
   corpus = stdlib_bytes()

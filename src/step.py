@@ -13,11 +13,11 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshmoe.config import Config
 from meshmoe.models.decoder import Transformer, lm_loss
-from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
+from meshmoe.sharding.shardings import batch_sharding, optimizer_shardings, param_shardings, use_rules
 
 
 def init_model(config: Config, mesh: Mesh) -> Transformer:
@@ -27,6 +27,18 @@ def init_model(config: Config, mesh: Mesh) -> Transformer:
   shardings = param_shardings(nnx.state(abstract), mesh, config.mesh.preset)
   state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
   return nnx.merge(nnx.graphdef(abstract), state)
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, config: Config,
+                         mesh: Mesh) -> Any:
+  """`optimizer.init(params)` with every parameter-shaped leaf (moments, ...) placed by the preset's
+  optimizer rules (ZeRO-1 splits them over the devices) and scalars such as the step count replicated."""
+  abstract = jax.eval_shape(optimizer.init, params)
+  shardings = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding, abstract, optimizer_shardings(params, mesh, config.mesh.preset),
+      transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
 
 def shard_batch(tokens_BS: jax.Array, config: Config, mesh: Mesh) -> jax.Array:

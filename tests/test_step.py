@@ -54,3 +54,15 @@ def test_bfloat16_compute_tracks_float32():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads)), "gradients must stay float32"
     losses[dtype] = float(loss)
   np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=2e-2)
+
+
+def test_zero1_splits_optimizer_moments_but_not_parameters():
+  config = small_config()
+  config.mesh = MeshConfig(data=8, preset="zero1")
+  mesh = make_mesh(config.mesh)
+  _, params, _ = nnx.split(step.init_model(config, mesh), nnx.Param, ...)
+  opt_state = step.init_optimizer_state(optax.adamw(1e-3), params, config, mesh)
+  mu = opt_state[0].mu["layers"][1]["ffn"]["gate_EDF"][...]
+  assert mu.sharding.spec[1] == ("data", "expert", "tensor", "sequence")  # the embed dimension
+  assert params["layers"][1]["ffn"]["gate_EDF"][...].sharding.is_fully_replicated
+  assert opt_state[0].count.sharding.is_fully_replicated
