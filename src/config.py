@@ -8,7 +8,6 @@ Sharding-dependent checks (a dimension that a preset splits over mesh axes must 
 the rules table in `meshmoe.sharding.rules` and are run from `Config.validate`.
 """
 
-from __future__ import annotations
 
 import dataclasses
 import math
@@ -108,7 +107,7 @@ class Config:
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
-  def validate(self, num_devices: int | None = None) -> Config:
+  def validate(self, num_devices: int | None = None) -> "Config":
     """Checks every field; with `num_devices`, also the mesh and the sharding divisibility. Returns self."""
     _validate_model(self.model)
     _validate_train(self.train, self.model)
