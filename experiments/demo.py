@@ -64,7 +64,7 @@ def main(argv):
   print(f"mesh {dict(mesh.shape)} preset {config.mesh.preset} on {jax.device_count()} {jax.default_backend()} "
         "device(s)")
   model = step.init_model(config, mesh)
-  optimizer = optax.adamw(config.train.learning_rate, weight_decay=0.01)
+  optimizer = optax.adamw(config.optimizer.learning_rate, weight_decay=0.01)
   _, params, others = nnx.split(model, nnx.Param, ...)
   opt_state = step.init_optimizer_state(optimizer, params, config, mesh)
   train_step = step.make_train_step(model, optimizer, config, mesh)

@@ -130,7 +130,10 @@ def _dimension_sizes(config: Config) -> dict[str, list[tuple[str, int, int]]]:
       "vocab": one("model.vocab_size"), "embed": one("model.embed_dim"), "heads": one("model.num_heads"),
       "kv_heads": one("model.num_kv_heads"), "head_dim": one("model.head_dim"), "mlp": mlp,
       "exp": one("model.moe.num_experts"), "exp_mlp": one("model.moe.expert_mlp_dim"),
-      "act_batch": one("train.global_batch_size"), "act_seq": one("train.seq_len"),
+      # One micro-batch is what a step's forward pass holds.
+      "act_batch": [("train.global_batch_size", config.train.global_batch_size,
+                     config.train.global_batch_size // config.train.grad_accum_steps)],
+      "act_seq": one("train.seq_len"),
       "act_attn_seq": one("train.seq_len"),
   }
   for name in ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "exp", "exp_mlp"):

@@ -20,6 +20,8 @@ IMPLS = ("reference",)
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
 GEMM_IMPLS = ("auto", "blocked", "ragged_dot")
+REMAT_POLICIES = ("none", "full", "dots")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype; parameters are always float32
+  # Activation rematerialisation per decoder layer: "none" keeps everything, "full" recomputes the whole
+  # layer in the backward pass, "dots" keeps matmul outputs and recomputes the elementwise work.
+  remat: str = "none"
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
@@ -92,12 +97,64 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+  """AdamW with linear warmup then cosine decay to `learning_rate * min_learning_rate_ratio`."""
+
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  min_learning_rate_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  # Which parameters weight decay applies to besides matrices.
+  decay_norms: bool = False
+  decay_biases: bool = False
+  decay_embeddings: bool = False
+  grad_clip_norm: float = 1.0  # global-norm clipping; 0 disables it
+
+
+@dataclasses.dataclass(kw_only=True)
 class TrainConfig:
   steps: int = 100
   seed: int = 0
-  global_batch_size: int = 16
+  global_batch_size: int = 16  # sequences per optimizer step, over all devices and micro-batches
   seq_len: int = 128
-  learning_rate: float = 3e-3
+  grad_accum_steps: int = 1  # micro-batches per step; each holds global_batch_size / grad_accum_steps
+  log_every: int = 10
+  eval_every: int = 50  # 0: evaluate only at the end
+  eval_batches: int = 4
+  # Peak dense FLOP/s of one device for MFU; 0 looks the device kind up (H100, H200, ...), unknown -> no MFU.
+  peak_flops_per_device: float = 0.0
+  profile_steps: str = ""  # "START:STOP" writes a jax.profiler trace of those steps to <workdir>/profile
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+  # "stdlib": bytes of this interpreter's standard-library source files (no download). Else files in `paths`:
+  # "text" (each file a document), "jsonl" (a `text` field per line), "arrayrecord" (UTF-8 text records).
+  source: str = "stdlib"
+  paths: str = ""  # comma-separated files or glob patterns
+  eval_paths: str = ""  # held-out files; empty: hold out `eval_fraction` of the files, chosen by name hash
+  eval_fraction: float = 0.05
+  tokenizer: str = "byte"  # "byte" (vocabulary 256) or the path of a Hugging Face tokenizer.json
+  packing: bool = True  # concatenate documents into full rows; else one document per row, padded
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+  every_steps: int = 100  # 0: only at the end
+  keep: int = 3  # newest checkpoints kept on disk
+  async_save: bool = True
+
+
+@dataclasses.dataclass(kw_only=True)
+class SampleConfig:
+  """Text generated at the end of training, greedy and with temperature sampling."""
+
+  prompt: str = "def "
+  max_new_tokens: int = 96
+  temperature: float = 0.8
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -105,12 +162,19 @@ class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
 
   def validate(self, num_devices: int | None = None) -> "Config":
     """Checks every field; with `num_devices`, also the mesh and the sharding divisibility. Returns self."""
     _validate_model(self.model)
     _validate_train(self.train, self.model)
+    _validate_optimizer(self.optimizer, self.train)
+    _validate_data(self.data)
+    _validate_checkpoint_and_sample(self.checkpoint, self.sample)
     _validate_mesh(self.mesh)
     _check_choice("parallel.impl", self.parallel.impl, IMPLS)
     if num_devices is not None:
@@ -165,6 +229,7 @@ def _validate_model(m: ModelConfig) -> None:
   _check_positive_float("model.norm_eps", m.norm_eps)
   _check_positive_float("model.init_std", m.init_std)
   _check_choice("model.dtype", m.dtype, DTYPES)
+  _check_choice("model.remat", m.remat, REMAT_POLICIES)
   if m.head_dim % 2:
     raise ConfigError("model.head_dim", m.head_dim, "an even number (rotary embeddings rotate pairs)")
   if m.num_heads % m.num_kv_heads:
@@ -184,34 +249,116 @@ def _validate_moe(moe: MoEConfig) -> None:
   if moe.top_k > moe.num_experts:
     raise ConfigError("model.moe.top_k", moe.top_k,
                       f"at most model.moe.num_experts={moe.num_experts} (each token picks distinct experts)")
-  if (not isinstance(moe.num_shared_experts, int) or isinstance(moe.num_shared_experts, bool)
-      or moe.num_shared_experts < 0):
-    raise ConfigError("model.moe.num_shared_experts", moe.num_shared_experts, "an integer >= 0")
+  _check_int("model.moe.num_shared_experts", moe.num_shared_experts, 0, "an integer >= 0")
   _check_choice("model.moe.score_fn", moe.score_fn, SCORE_FNS)
   _check_positive_float("model.moe.routed_scaling", moe.routed_scaling)
   for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
-    value = getattr(moe, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
-      raise ConfigError(f"model.moe.{name}", value, "a finite number >= 0")
+    _check_non_negative(f"model.moe.{name}", getattr(moe, name))
   if moe.capacity_factor is not None:
     _check_positive_float("model.moe.capacity_factor", moe.capacity_factor,
                           "None for dropless routing, or a finite number > 0")
   _check_choice("model.moe.gemm_impl", moe.gemm_impl, GEMM_IMPLS)
-  if (not isinstance(moe.gemm_block_rows, int) or isinstance(moe.gemm_block_rows, bool)
-      or moe.gemm_block_rows < 0):
-    raise ConfigError("model.moe.gemm_block_rows", moe.gemm_block_rows,
-                      "0 (chosen from the shapes) or a positive number of rows")
+  _check_int("model.moe.gemm_block_rows", moe.gemm_block_rows, 0,
+             "0 (chosen from the shapes) or a positive number of rows")
+
+
+def _validate_optimizer(o: OptimizerConfig, t: TrainConfig) -> None:
+  _check_positive_float("optimizer.learning_rate", o.learning_rate)
+  _check_int("optimizer.warmup_steps", o.warmup_steps, 0, "an integer from 0 to train.steps")
+  if isinstance(t.steps, int) and o.warmup_steps > t.steps:
+    raise ConfigError("optimizer.warmup_steps", o.warmup_steps, f"at most train.steps={t.steps}")
+  _check_fraction("optimizer.min_learning_rate_ratio", o.min_learning_rate_ratio, "a number from 0 to 1")
+  for name in ("b1", "b2"):
+    value = getattr(o, name)
+    if not _is_number(value) or not 0 <= value < 1:
+      raise ConfigError(f"optimizer.{name}", value, "a number in [0, 1)")
+  _check_positive_float("optimizer.eps", o.eps)
+  _check_non_negative("optimizer.weight_decay", o.weight_decay)
+  _check_non_negative("optimizer.grad_clip_norm", o.grad_clip_norm, "a finite number >= 0 (0 disables clipping)")
+  for name in ("decay_norms", "decay_biases", "decay_embeddings"):
+    _check_bool(f"optimizer.{name}", getattr(o, name))
 
 
 def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
   _check_positive_int("train.steps", t.steps)
   _check_positive_int("train.global_batch_size", t.global_batch_size)
   _check_positive_int("train.seq_len", t.seq_len)
-  _check_positive_float("train.learning_rate", t.learning_rate)
   if not isinstance(t.seed, int) or isinstance(t.seed, bool):
     raise ConfigError("train.seed", t.seed, "an integer")
   if t.seq_len > m.max_seq_len:
     raise ConfigError("train.seq_len", t.seq_len, f"at most model.max_seq_len={m.max_seq_len}")
+  _check_positive_int("train.grad_accum_steps", t.grad_accum_steps)
+  if t.global_batch_size % t.grad_accum_steps:
+    raise ConfigError("train.grad_accum_steps", t.grad_accum_steps,
+                      f"a divisor of train.global_batch_size={t.global_batch_size}")
+  _check_positive_int("train.log_every", t.log_every)
+  _check_int("train.eval_every", t.eval_every, 0, "an integer >= 0 (0: evaluate only at the end)")
+  _check_positive_int("train.eval_batches", t.eval_batches)
+  _check_non_negative("train.peak_flops_per_device", t.peak_flops_per_device,
+                      "a finite number >= 0 (0: look the device up)")
+  if t.profile_steps:
+    parts = t.profile_steps.split(":") if isinstance(t.profile_steps, str) else []
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
+      raise ConfigError("train.profile_steps", t.profile_steps,
+                        "empty (no trace) or 'START:STOP' with 0 <= START < STOP, e.g. '5:8'")
+
+
+def profile_range(t: TrainConfig) -> range:
+  """The steps `train.profile_steps` asks to trace (empty when none)."""
+  if not t.profile_steps:
+    return range(0)
+  start, stop = (int(p) for p in t.profile_steps.split(":"))
+  return range(start, stop)
+
+
+def _validate_data(d: DataConfig) -> None:
+  _check_choice("data.source", d.source, DATA_SOURCES)
+  if not isinstance(d.paths, str) or not isinstance(d.eval_paths, str):
+    bad = "data.paths" if not isinstance(d.paths, str) else "data.eval_paths"
+    raise ConfigError(bad, getattr(d, bad.split(".")[1]), "a comma-separated string of files or glob patterns")
+  if d.source != "stdlib" and not d.paths.strip():
+    raise ConfigError("data.paths", d.paths, f"one or more files or glob patterns for data.source={d.source!r}")
+  if d.source == "stdlib" and d.paths.strip():
+    raise ConfigError("data.paths", d.paths, "empty for data.source='stdlib' (set data.source for your files)")
+  if not _is_number(d.eval_fraction) or not 0 < d.eval_fraction < 1:
+    raise ConfigError("data.eval_fraction", d.eval_fraction, "a number strictly between 0 and 1")
+  if not isinstance(d.tokenizer, str) or not (d.tokenizer == "byte" or d.tokenizer.endswith(".json")):
+    raise ConfigError("data.tokenizer", d.tokenizer, "'byte' or the path of a tokenizer.json file")
+  _check_bool("data.packing", d.packing)
+
+
+def _validate_checkpoint_and_sample(c: CheckpointConfig, s: SampleConfig) -> None:
+  _check_int("checkpoint.every_steps", c.every_steps, 0, "an integer >= 0 (0: save only at the end)")
+  _check_positive_int("checkpoint.keep", c.keep)
+  _check_bool("checkpoint.async_save", c.async_save)
+  if not isinstance(s.prompt, str) or not s.prompt:
+    raise ConfigError("sample.prompt", s.prompt, "a non-empty string")
+  _check_int("sample.max_new_tokens", s.max_new_tokens, 0, "an integer >= 0")
+  _check_non_negative("sample.temperature", s.temperature, "a finite number >= 0 (0: greedy only)")
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: Any, minimum: int, allowed: str) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ConfigError(field, value, allowed)
+
+
+def _check_bool(field: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    raise ConfigError(field, value, "True or False")
+
+
+def _check_non_negative(field: str, value: Any, allowed: str = "a finite number >= 0") -> None:
+  if not _is_number(value) or not 0 <= value < math.inf:
+    raise ConfigError(field, value, allowed)
+
+
+def _check_fraction(field: str, value: Any, allowed: str) -> None:
+  if not _is_number(value) or not 0 <= value <= 1:
+    raise ConfigError(field, value, allowed)
 
 
 def _check_positive_int(field: str, value: Any) -> None:

@@ -100,7 +100,8 @@ def test_positive_int_fields(field, value):
 
 
 POSITIVE_FLOAT_FIELDS = [
-    "model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling", "train.learning_rate",
+    "model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
+    "optimizer.learning_rate", "optimizer.eps",
 ]
 
 

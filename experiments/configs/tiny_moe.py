@@ -8,7 +8,7 @@ parameters, 1.02M of them active per token. Expect the loss to fall from about 5
 steps (about 35 s on one 2-core CPU).
 """
 
-from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, TrainConfig
+from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
 
 
 def get_config() -> Config:
@@ -19,5 +19,6 @@ def get_config() -> Config:
           moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=256, score_fn="softmax"),
       ),
       mesh=MeshConfig(data=-1, preset="ep"),
-      train=TrainConfig(steps=100, global_batch_size=16, seq_len=128, learning_rate=3e-3),
+      optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=20),
+      train=TrainConfig(steps=100, global_batch_size=16, seq_len=128),
   )
