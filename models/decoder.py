@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshmoe.config import ModelConfig
+from meshmoe.config import ModelConfig, MoEConfig
 from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.moe import MoEBlock, MoEStats
@@ -70,7 +70,7 @@ class Transformer(nnx.Module):
     x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL)
     stats = []
     for layer in self.layers:
-      x_BSD, layer_stats = layer(x_BSD, positions_BS)
+      x_BSD, layer_stats = _remat(self.cfg.remat, layer, x_BSD, positions_BS)
       if layer_stats is not None:
         stats.append(layer_stats)
     x_BSD = self.final_norm(x_BSD).astype(jnp.float32)
@@ -90,6 +90,14 @@ class Transformer(nnx.Module):
         bias[...] = update_expert_bias(bias[...], expert_load_LE[i], self.cfg.moe.expert_bias_update_rate)
 
 
+def _remat(policy: str, layer: DecoderLayer, x_BSD: jax.Array, positions_BS: jax.Array):
+  """Runs `layer`, storing for the backward pass what `policy` (ModelConfig.remat) allows."""
+  if policy == "none":
+    return layer(x_BSD, positions_BS)
+  saveable = None if policy == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  return nnx.remat(lambda layer, x, positions: layer(x, positions), policy=saveable)(layer, x_BSD, positions_BS)
+
+
 def _collect(stats: list[MoEStats], num_experts: int) -> ModelAux:
   if not stats:
     zero = jnp.zeros((), jnp.float32)
@@ -105,15 +113,23 @@ def _collect(stats: list[MoEStats], num_experts: int) -> ModelAux:
 def lm_loss(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
             mask_BS: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Next-token cross-entropy (mean over unmasked tokens) plus the weighted router losses."""
+  terms = lm_loss_terms(model, tokens_BS, targets_BS, mask_BS)
+  return combine_loss_terms(terms, model.cfg.moe, terms["tokens"], num_microbatches=1), terms
+
+
+def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
+                  mask_BS: jax.Array | None = None) -> dict[str, jax.Array]:
+  """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly."""
   logits_BSV, aux = model(tokens_BS)
   ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
-  if mask_BS is None:
-    ce = jnp.mean(ce_BS)
-  else:
-    mask_BS = mask_BS.astype(jnp.float32)
-    ce = jnp.sum(ce_BS * mask_BS) / jnp.maximum(jnp.sum(mask_BS), 1.0)
-  moe = model.cfg.moe
-  loss = ce + moe.aux_loss_weight * aux.aux_loss + moe.z_loss_weight * aux.z_loss
-  metrics = {"cross_entropy": ce, "aux_loss": aux.aux_loss, "z_loss": aux.z_loss,
-             "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L}
-  return loss, metrics
+  mask_BS = jnp.ones_like(ce_BS) if mask_BS is None else mask_BS.astype(jnp.float32)
+  return {"ce_sum": jnp.sum(ce_BS * mask_BS), "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,
+          "z_loss": aux.z_loss, "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L}
+
+
+def combine_loss_terms(terms: dict[str, jax.Array], moe: MoEConfig, total_tokens: jax.Array,
+                       num_microbatches: int) -> jax.Array:
+  """This micro-batch's share of the step loss: summed over micro-batches it is the mean cross-entropy
+  over all the step's tokens plus the router losses averaged over micro-batches."""
+  router = moe.aux_loss_weight * terms["aux_loss"] + moe.z_loss_weight * terms["z_loss"]
+  return terms["ce_sum"] / jnp.maximum(total_tokens, 1.0) + router / num_microbatches

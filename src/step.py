@@ -1,4 +1,4 @@
-"""Sharded model creation and the jitted loss/gradient and training step.
+"""Sharded model and optimizer-state creation, batch placement, and a jitted loss/gradient function.
 
 Parameters are created directly in their sharded layout (the init is jitted with the rules' shardings as
 outputs), so no device ever holds a full copy. The rules are activated inside the traced functions, so each
@@ -67,25 +67,3 @@ def make_loss_and_grad(model: Transformer, config: Config, mesh: Mesh) -> Callab
     return loss, metrics, grads
 
   return jax.jit(loss_and_grad)
-
-
-def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config: Config,
-                    mesh: Mesh) -> Callable[..., Any]:
-  """Jitted f(params, others, opt_state, inputs_BS, targets_BS) -> (params, others, opt_state, metrics).
-
-  `others` holds the non-trainable variables (the experts' selection bias), updated from expert load.
-  """
-  graphdef = nnx.graphdef(model)
-  loss_and_grad = make_loss_and_grad(model, config, mesh)
-
-  def train_step(params, others, opt_state, inputs_BS, targets_BS):
-    loss, metrics, grads = loss_and_grad(params, others, inputs_BS, targets_BS)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    updated = nnx.merge(graphdef, params, others)
-    updated.update_expert_bias(metrics["expert_load"])
-    _, _, others = nnx.split(updated, nnx.Param, ...)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-    return params, others, opt_state, metrics
-
-  return jax.jit(train_step, donate_argnums=(0, 1, 2))

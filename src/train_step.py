@@ -1,0 +1,137 @@
+"""The training state and the jitted train and eval steps.
+
+`TrainState` is everything a checkpoint must hold to continue a run exactly (the data-iterator position is
+saved beside it): step, float32 parameters, non-trainable variables (the experts' selection bias),
+optimizer state and a PRNG key that advances every step (sampling draws from it).
+
+One step = `train.grad_accum_steps` micro-batches scanned in sequence, their gradients summed, then one
+optimizer update. The batch is split into micro-batches by striding (micro-batch i holds rows i, i + A,
+...), so every device keeps its share of each micro-batch. The loss is the mean cross-entropy over all
+the step's unmasked tokens plus the router losses averaged over micro-batches, identical to one big batch.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshmoe import optimizer as optimizer_lib
+from meshmoe.config import Config
+from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
+from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
+from meshmoe.step import init_model, init_optimizer_state
+
+
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # nnx.State of the nnx.Param variables
+  others: Any  # nnx.State of the non-trainable variables
+  opt_state: Any
+  rng: jax.Array  # uint32[2] PRNG key
+
+
+jax.tree_util.register_dataclass(TrainState)
+
+
+@dataclasses.dataclass
+class Trainer:
+  """What a run needs besides the state: the model structure, the optimizer and the jitted steps."""
+
+  graphdef: Any
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
+  eval_step: Callable[[Any, Any, dict], dict]
+  state_shardings: Any
+
+
+def create(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
+  """The initial state (sharded on `mesh`) and the jitted steps for `config`."""
+  model = init_model(config, mesh)
+  graphdef, params, others = nnx.split(model, nnx.Param, ...)
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
+  opt_state = init_optimizer_state(optimizer, params, config, mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, others=others,
+                     opt_state=opt_state,
+                     rng=jax.device_put(jax.random.PRNGKey(config.train.seed), replicated))
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
+  trainer = Trainer(graphdef, optimizer, schedule,
+                    _make_train_step(graphdef, optimizer, schedule, config, mesh, shardings),
+                    _make_eval_step(graphdef, config, mesh), shardings)
+  return trainer, state
+
+
+def place_batch(batch: dict[str, np.ndarray], config: Config, mesh: Mesh) -> dict[str, jax.Array]:
+  """Turns this process's rows of a batch into global arrays sharded like the preset's batch."""
+  sharding = batch_sharding(mesh, config.mesh.preset)
+  return {name: jax.make_array_from_process_local_data(sharding, value) for name, value in batch.items()}
+
+
+def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
+  """[B, S] -> [count, B / count, S], micro-batch i holding rows i, i + count, ..."""
+  return {k: jnp.moveaxis(v.reshape(v.shape[0] // count, count, *v.shape[1:]), 1, 0) for k, v in batch.items()}
+
+
+def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, shardings) -> Callable:
+  moe, count = config.model.moe, config.train.grad_accum_steps
+  grad_shardings = param_shardings(shardings.params, mesh, config.mesh.preset)
+
+  def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+    total_tokens = jnp.sum(batch["mask"])
+
+    def loss_of(params, micro):
+      with use_rules(mesh, config.mesh.preset):
+        model = nnx.merge(graphdef, params, state.others)
+        terms = lm_loss_terms(model, micro["inputs"], micro["targets"], micro["mask"])
+      return combine_loss_terms(terms, moe, total_tokens, count), terms
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    if count == 1:
+      (loss, terms), grads = grad_fn(state.params, batch)
+      terms = jax.tree.map(lambda x: x[None], terms)
+    else:
+      def accumulate(carry, micro):
+        (loss, terms), grads = grad_fn(state.params, micro)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), terms
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+      (loss, grads), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    expert_load = jnp.sum(terms["expert_load"], axis=0)
+    model = nnx.merge(graphdef, params, state.others)
+    model.update_expert_bias(expert_load)
+    _, _, others = nnx.split(model, nnx.Param, ...)
+    new_state = TrainState(state.step + 1, params, others, opt_state, jax.random.split(state.rng)[0])
+    metrics = {
+        "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
+        "aux_loss": jnp.mean(terms["aux_loss"]), "z_loss": jnp.mean(terms["z_loss"]),
+        "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step),
+        "expert_load": expert_load, "dropped_fraction": jnp.mean(terms["dropped_fraction"], axis=0),
+        "tokens": total_tokens,
+    }
+    return new_state, metrics
+
+  return jax.jit(train_step, in_shardings=(shardings, None), out_shardings=(shardings, None),
+                 donate_argnums=0)
+
+
+def _make_eval_step(graphdef, config: Config, mesh: Mesh) -> Callable:
+  def eval_step(params, others, batch):
+    with use_rules(mesh, config.mesh.preset):
+      terms = lm_loss_terms(nnx.merge(graphdef, params, others), batch["inputs"], batch["targets"],
+                            batch["mask"])
+    return {"ce_sum": terms["ce_sum"], "tokens": terms["tokens"]}
+
+  return jax.jit(eval_step)
