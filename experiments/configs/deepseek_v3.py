@@ -1,0 +1,80 @@
+"""deepseek_v3: a DeepSeek-V3-671B-like model (DeepSeek-AI, arXiv:2412.19437), for compile-only analysis.
+
+  python -m experiments.aot --config=experiments/configs/deepseek_v3.py --target=h100 --devices=64 --out=report.json
+
+(`experiments.aot`, the deviceless AOT compiler, comes with the AOT tool; until it lands this file is only
+validated and shape-checked by tests/test_configs.py.) This config does not train on CPU (2.7 TB of float32
+parameters), and at the 64 devices above it does not fit H100s either: read that report for FLOPs and
+collectives; for memory compile it for 512 devices (see "mesh" below).
+
+Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
+blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the same width. Routing: sigmoid
+scores, top-8, the chosen eight renormalised and scaled by 2.5, with the aux-loss-free per-expert
+selection bias (expert_bias, update rate 1e-3 as in the paper's first 14.3T tokens) and a tiny balance
+loss (1e-4, the paper's alpha). Vocabulary 129280, untied embeddings, RMSNorm eps 1e-6, init std 0.006
+(the paper's), RoPE theta 1e4 and max_seq_len 4096, the pre-training length (the 32K/128K extension uses
+YaRN, which meshmoe does not have).
+
+Attention: meshmoe has no multi-head latent attention (MLA), so this uses grouped-query attention with
+128 query heads of dimension 128 and 8 key-value heads. Per layer MLA has 187.1M weights (low-rank query
+7168->1536->128x192, joint key-value latent 7168->512+64 then 512->128x(128+128), output 128x128->7168)
+and does 187.1M multiply-adds per token in training plus attention scores over query/key dimension 192.
+  - 128 KV heads (plain MHA, 469.8M per layer) would match only the shape of MLA's up-projected keys and
+    values inside attention; it adds 17.2B parameters, all active: 688.3B total (+2.6%), 54.8B active
+    (+46% over the real 37.6B), 348 GFLOP per token of training (+39% over MLA's ~250), and its state
+    no longer fits an H100 at 512 devices (91 GB).
+  - 8 KV heads (249.6M per layer, the closest GQA with query width 128 x 128 that still splits over
+    tensor=8) adds 3.8B: 674.8B total (+0.6%), 41.4B active (+10% over the real 37.6B), 267 GFLOP per
+    token (+7%). Keys and values are 2048 values per token per layer against MLA's 576-value latent,
+    so sequence-parallel key/value traffic is in the same range too (MHA-128's would be 32768).
+  - 1 KV head (MQA) would be 0.8B closer still but could not be split over tensor at all.
+
+Parameters (meshmoe.cost_model.active_params): 674,836,083,712 total and 41,361,961,984 active per token
+(674.8B / 41.4B); published 671B / 37B. Replacing the 61 GQA blocks' weights by MLA's (3,809,679,360
+fewer) gives 671,026,404,352 / 37,552,282,624: the published 671B, and 1.5% over the published 37B.
+Not modelled either: the multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's
+685B = 671B + 14B); node-limited routing (each token's experts on at most 4 of 8 node groups); the
+sequence-wise form of the balance loss (meshmoe's is over each micro-batch's tokens); FP8 training (bf16
+here). The 58 x 256 selection biases are ExpertBias variables, not parameters, and are not counted.
+
+Choices:
+- mesh: preset "tp_sp" with tensor=8 (within a node), expert=-1 (fills the devices: 8 at 64 devices, 64 at
+  512 like DeepSeek's EP64, at most 256), data=1. Float32 parameter + gradient + two Adam moments are 16
+  bytes per parameter, 10.8 TB in all, more than 64 H100s hold (5.1 TB): 207 GB per device at 64 devices,
+  64 GB at 512. megascale cannot fit at any device count: it leaves the embeddings, dense layers and
+  shared experts (5.6B parameters, 90 GB of state) unsplit; tp_sp splits them over tensor. DeepSeek
+  itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1, which meshmoe has not.
+- remat "full": memory is what binds; "dots" would also keep each layer's 16384-wide query projection,
+  keys, values, output projection and shared-expert GEMMs (~37K values per token per layer beside the
+  7168-wide input), and the routed expert GEMMs (ragged_dot) are recomputed under either policy.
+- train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
+  from 3072 over the first 469B tokens, not modelled) in 60 micro-batches of 256, i.e. 4 sequences per
+  expert rank at 512 devices. steps: 14.8T tokens / 62.9M = 235K.
+- optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
+  warmup steps, down to 2.2e-5 (ratio 0.1). The paper holds the peak until 10T tokens and then decays
+  over 4.3T; meshmoe's schedule is warmup + cosine, so it starts decaying at once.
+- no z-loss (DeepSeek-V3 has none).
+"""
+
+from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig,
+                            TrainConfig)
+
+
+def get_config() -> Config:
+  return Config(
+      model=ModelConfig(
+          vocab_size=129280, embed_dim=7168, num_layers=61, num_dense_layers=3, num_heads=128, num_kv_heads=8,
+          head_dim=128, mlp_dim=18432, max_seq_len=4096, rope_theta=1e4, norm_eps=1e-6, tie_embeddings=False,
+          init_std=0.006, dtype="bfloat16", remat="full",
+          moe=MoEConfig(
+              num_experts=256, top_k=8, expert_mlp_dim=2048, num_shared_experts=1, score_fn="sigmoid",
+              normalize_top_k=True, routed_scaling=2.5, expert_bias=True, expert_bias_update_rate=1e-3,
+              aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None, gemm_impl="auto"),
+      ),
+      mesh=MeshConfig(data=1, expert=-1, tensor=8, sequence=1, preset="tp_sp"),
+      optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
+                                b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
+      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=60,
+                        log_every=10, eval_every=1000),
+      checkpoint=CheckpointConfig(every_steps=1000),
+  )

@@ -1,0 +1,127 @@
+"""Experiment configs: every file in experiments/configs/ validates for the devices its mesh is meant for and
+documents how to run it; the full-size shape configs build, abstractly (nnx.eval_shape, no memory), to exactly
+`cost_model.active_params`'s count, and that count is near the published one.
+
+Tolerances against the published figures:
+- Mixtral-8x7B and Qwen3-30B-A3B are modelled exactly (Qwen3 lacks only its 12,288 QK-norm weights), so
+  total and active are asserted within 3% of the published rounded figures (46.7B / 12.9B, 30.5B / 3.3B);
+  the actual gaps are 0.01% / 0.2% and 0.1% / 1.6%.
+- DeepSeek-V3 uses grouped-query attention in place of MLA, which adds parameters (all of them active), so
+  its raw total is asserted within 1% of 671B (it is +0.6%) and its raw active count is only asserted
+  above 37B. Swapping each layer's GQA weights for MLA's, computed from DeepSeek-V3's published MLA
+  dimensions, must then give 671B within 0.5% and 37B within 3% (they are +0.004% and +1.5%): the whole
+  gap is the attention.
+"""
+
+import importlib.util
+import math
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from meshmoe import cost_model
+from meshmoe.models.decoder import Transformer
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs"
+CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
+
+# Device count each config is validated for; the full-size configs are meant for 64 GPUs and more.
+NUM_DEVICES = {"tiny_moe": 8}
+DEFAULT_DEVICES = 64
+
+# Published (total, active) parameters and the relative tolerance of each comparison.
+PUBLISHED = {
+    "mixtral_8x7b": (46.7e9, 12.9e9, 0.03),
+    "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.03),
+}
+DEEPSEEK_TOTAL, DEEPSEEK_ACTIVE = 671e9, 37e9
+FULL_SIZE = (*PUBLISHED, "deepseek_v3")
+
+
+def load(path: pathlib.Path):
+  spec = importlib.util.spec_from_file_location(f"_experiment_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def abstract_param_count(model_cfg) -> int:
+  """Parameters (nnx.Param leaves) of the model `model_cfg` describes, from shapes alone."""
+  model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def config_file(name: str) -> pathlib.Path:
+  return CONFIG_DIR / f"{name}.py"
+
+
+@pytest.fixture(params=CONFIG_FILES, ids=lambda p: p.stem)
+def config_path(request) -> pathlib.Path:
+  return request.param
+
+
+def test_full_size_configs_are_present():
+  assert set(FULL_SIZE) <= {p.stem for p in CONFIG_FILES}
+
+
+def test_config_validates(config_path):
+  config = load(config_path).get_config()
+  config.validate(NUM_DEVICES.get(config_path.stem, DEFAULT_DEVICES))
+
+
+def test_docstring_names_the_command_and_the_file(config_path):
+  doc = load(config_path).__doc__ or ""
+  assert config_path.stem in doc
+  # tiny_moe documents its bootstrap command (experiments/run.sh); the others a `python -m` entry point.
+  assert "python -m experiments." in doc or "experiments/run.sh" in doc
+
+
+@pytest.mark.parametrize("name", FULL_SIZE)
+def test_full_size_config_settings_and_docstring(name):
+  module = load(config_file(name))
+  config = module.get_config()
+  assert config.model.dtype == "bfloat16"
+  assert config.model.remat in ("full", "dots")
+  assert config.model.moe.gemm_impl == "auto"
+  assert not config.model.tie_embeddings
+  doc = module.__doc__
+  assert (f"python -m experiments.aot --config=experiments/configs/{name}.py --target=h100 --devices=64"
+          in doc)
+  assert "does not train on CPU" in doc
+  counts = cost_model.active_params(config.model)
+  assert f"{counts['total']:,}" in doc and f"{counts['active']:,}" in doc  # the stated counts are current
+
+
+@pytest.mark.parametrize("name", FULL_SIZE)
+def test_abstract_model_has_the_cost_model_parameter_count(name):
+  model_cfg = load(config_file(name)).get_config().model
+  assert abstract_param_count(model_cfg) == cost_model.active_params(model_cfg)["total"]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_match_published(name):
+  total, active, rel = PUBLISHED[name]
+  counts = cost_model.active_params(load(config_file(name)).get_config().model)
+  assert counts["total"] == pytest.approx(total, rel=rel)
+  assert counts["active"] == pytest.approx(active, rel=rel)
+
+
+def _mla_params_per_layer(d: int) -> int:
+  """DeepSeek-V3's multi-head latent attention weights per layer (its two norms excluded, as in GQA's)."""
+  heads, q_rank, kv_rank, nope, rope, v = 128, 1536, 512, 128, 64, 128
+  return (d * q_rank + q_rank + q_rank * heads * (nope + rope)  # query down-projection, norm, up-projection
+          + d * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v)  # joint key-value latent, norm, up
+          + heads * v * d)  # output projection
+
+
+def test_deepseek_v3_counts_match_published_once_attention_is_mla():
+  m = load(config_file("deepseek_v3")).get_config().model
+  counts = cost_model.active_params(m)
+  assert counts["total"] == pytest.approx(DEEPSEEK_TOTAL, rel=0.01)
+  assert counts["active"] > DEEPSEEK_ACTIVE  # GQA in place of MLA only adds weights
+  gqa = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+  extra = m.num_layers * (gqa - _mla_params_per_layer(m.embed_dim))
+  assert counts["total"] - extra == pytest.approx(DEEPSEEK_TOTAL, rel=0.005)
+  assert counts["active"] - extra == pytest.approx(DEEPSEEK_ACTIVE, rel=0.03)
