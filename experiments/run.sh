@@ -2,7 +2,7 @@
 # meshmoe bootstrap: finds Python >= 3.12, creates .venv with the pinned dependencies if anything is
 # missing or changed, then runs one task.
 #
-#   bash experiments/run.sh train [flags]   train the default experiment (tiny_moe) on this machine's CPU devices
+#   bash experiments/run.sh train [flags]   train the default experiment (tiny_moe); flags go to experiments.train
 #   bash experiments/run.sh test  [pytest args]   run the full test suite on 8 simulated CPU devices
 #   bash experiments/run.sh bench [flags]   step time and compiled/model FLOP ratio of the default config
 #
@@ -66,7 +66,11 @@ MSG
 task="${1:-}"
 [ $# -gt 0 ] && shift
 case "$task" in
-  train) ensure_venv; exec "$venv/bin/python" -m experiments.demo "$@" ;;
+  train)
+    ensure_venv
+    # Without an accelerator, simulate MESHMOE_CPU_DEVICES (default 8) devices so the mesh has every axis.
+    export XLA_FLAGS="--xla_force_host_platform_device_count=${MESHMOE_CPU_DEVICES:-8} ${XLA_FLAGS:-}"
+    exec "$venv/bin/python" -m experiments.train "$@" ;;
   test)
     ensure_venv
     # The suite runs on 8 simulated CPU devices; tests/conftest.py sets the same flag for direct pytest use.

@@ -76,6 +76,14 @@ def place_batch(batch: dict[str, np.ndarray], config: Config, mesh: Mesh) -> dic
   return {name: jax.make_array_from_process_local_data(sharding, value) for name, value in batch.items()}
 
 
+def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """Shapes, dtypes and shardings of a global batch (to compile the step before data arrives)."""
+  shape, sharding = (config.train.global_batch_size, config.train.seq_len), batch_sharding(mesh, config.mesh.preset)
+  return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
+          "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
+          "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+
+
 def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
   """[B, S] -> [count, B / count, S], micro-batch i holding rows i, i + count, ..."""
   return {k: jnp.moveaxis(v.reshape(v.shape[0] // count, count, *v.shape[1:]), 1, 0) for k, v in batch.items()}

@@ -1,14 +1,20 @@
 """tiny_moe: the default experiment, a 4-layer byte-level MoE that trains on a laptop CPU in minutes.
 
-  bash experiments/run.sh train
+  python -m experiments.train --config=experiments/configs/tiny_moe.py --workdir=runs/tiny_moe
+  (or, from a fresh clone: bash experiments/run.sh train)
 
 Shape: 4 layers (the first dense), d_model 128, 4 query / 2 key-value heads, 8 experts of width 256 with
 top-2 softmax routing, byte vocabulary (256), sequences of 128 bytes, 16 sequences per step. 2.79M
-parameters, 1.02M of them active per token. Expect the loss to fall from about 5.4 to about 2.4 in 100
-steps (about 35 s on one 2-core CPU).
+parameters, 1.02M of them active per token. Data: the bytes of this interpreter's standard-library
+source files (no download), 5% of the files held out for eval.
+
+Expect (8 simulated CPU devices on a 2-core machine, data-parallel + expert-parallel `ep` preset): about
+0.4 s per step, 300 steps in a few minutes; the loss falls from about 5.5 to below 2 nats per byte, well
+under the corpus' unigram entropy (about 3.3 nats), and the sample at the end looks like Python.
 """
 
-from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
+from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig,
+                            TrainConfig)
 
 
 def get_config() -> Config:
@@ -20,5 +26,6 @@ def get_config() -> Config:
       ),
       mesh=MeshConfig(data=-1, preset="ep"),
       optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=20),
-      train=TrainConfig(steps=100, global_batch_size=16, seq_len=128),
+      train=TrainConfig(steps=300, global_batch_size=16, seq_len=128, log_every=10, eval_every=50),
+      checkpoint=CheckpointConfig(every_steps=100, keep=3),
   )
