@@ -20,9 +20,6 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "tiny_moe.py"
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(_DEFAULT_CONFIG), "experiment config file (a .py with get_config()); override fields "
-    "with --config.<section>.<field>=<value>", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (default: runs/<config file name>)")
 
 
@@ -38,7 +35,7 @@ def main(argv):
   config_path = pathlib.Path(flags.FLAGS["config"].config_filename)
   workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / config_path.stem.split(":")[0])
   try:
-    summary = trainer.train(_CONFIG.value, workdir)
+    summary = trainer.train(flags.FLAGS.config, workdir)
   except (ConfigError, DataError) as e:
     sys.exit(f"error: {e}")
   print(f"\ndone: {summary.steps} steps in {summary.wall_time_s:.0f}s"
@@ -50,13 +47,29 @@ def main(argv):
   print(f"\noutputs in {workdir}/: metrics.jsonl, tensorboard/, checkpoints/, training.png, sample.txt")
 
 
+def _check_config_path(argv: list[str]) -> None:
+  """A missing --config file gets one line naming the configs that exist, not a loader traceback."""
+  for arg in argv:
+    if arg.startswith("--config="):
+      path = pathlib.Path(arg.split("=", 1)[1].split(":")[0])
+      if not path.is_file():
+        available = ", ".join(str(p.relative_to(pathlib.Path.cwd())) if p.is_relative_to(pathlib.Path.cwd())
+                              else str(p) for p in sorted(_DEFAULT_CONFIG.parent.glob("[!_]*.py")))
+        sys.exit(f"error: --config file {str(path)!r} does not exist; available: {available}")
+
+
 def _run():
+  _check_config_path(sys.argv[1:])
   try:
-    app.run(main)
+    # Defining the flag loads the config file and applies the --config.a.b overrides from sys.argv.
+    config_flags.DEFINE_config_file(
+        "config", str(_DEFAULT_CONFIG), "experiment config file (a .py with get_config()); override fields "
+        "with --config.<section>.<field>=<value>", lock_config=False)
   except KeyError as e:  # ml_collections reports an unknown --config.a.b field as a bare KeyError
     match = re.search(r"Field (\w+) not found on dataclass <class '[\w.]+\.(\w+)'>", str(e))
     what = f"field {match.group(1)!r} does not exist in {match.group(2)}" if match else str(e)
     sys.exit(f"error: unknown config override: {what}; see src/config.py for the fields")
+  app.run(main)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def build_data(config: Config, process_index: int = 0, process_count: int = 1) -
     needed = train.global_batch_size if name == "train" else 1  # eval batches wrap around
     if len(starts) < needed:
       raise DataError(f"the {name} data holds {len(stream)} tokens in {len(starts)} rows; it needs at least "
-                      f"{needed} rows of seq_len + 1 = {train.seq_len + 1} tokens")
+                      f"{needed} row(s) of seq_len + 1 = {train.seq_len + 1} tokens")
     splits[name] = _RowSource(stream, starts, lengths, train.seq_len)
   shuffled = grain.MapDataset.source(splits["train"]).shuffle(seed=train.seed).repeat()
   train_iter = shuffled[process_index::process_count].batch(local_batch).to_iter_dataset().__iter__()

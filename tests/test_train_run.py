@@ -8,6 +8,7 @@ layout continues with the same losses (float tolerance); bad flags give one clea
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,8 +99,11 @@ def test_kill_9_and_restart_continues_bitwise(uninterrupted, tmp_path):
 @pytest.mark.slow
 def test_restore_onto_another_layout(uninterrupted, tmp_path):
   workdir = tmp_path / "relayout"
-  _train(workdir, f"--config.train.steps={EVERY}")  # stops at the first checkpoint, on data=8
-  _train(workdir, "--config.mesh.data=2", "--config.mesh.expert=4")  # continues on data=2 x expert=4
+  # The data=8 run's first checkpoint, as if the run had stopped there, continued on data=2 x expert=4.
+  shutil.copytree(uninterrupted / "checkpoints" / str(EVERY), workdir / "checkpoints" / str(EVERY))
+  shutil.copy(uninterrupted / "metrics.jsonl", workdir / "metrics.jsonl")
+  result = _train(workdir, "--config.mesh.data=2", "--config.mesh.expert=4")
+  assert f"resumed from step {EVERY}" in result.stdout
   moved = {(r["kind"], r["step"]): r for r in _records(workdir)}
   reference = {(r["kind"], r["step"]): r for r in _records(uninterrupted)}
   assert moved.keys() == reference.keys()
@@ -121,3 +125,12 @@ def test_bad_flags_give_one_clear_error(tmp_path, flags, message):
   assert result.returncode != 0
   assert message in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_missing_config_file_is_named(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "experiments.train", "--config=experiments/configs/nope.py",
+                           f"--workdir={tmp_path}"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode != 0
+  assert "error: --config file 'experiments/configs/nope.py' does not exist; available:" in result.stderr
+  assert "experiments/configs/tiny_moe.py" in result.stderr and "Traceback" not in result.stderr
