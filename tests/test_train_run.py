@@ -23,7 +23,8 @@ DETERMINISTIC = ("loss", "cross_entropy", "aux_loss", "z_loss", "grad_norm", "le
 STEPS, EVERY = 24, 8
 RUN_FLAGS = [f"--config.train.steps={STEPS}", f"--config.checkpoint.every_steps={EVERY}",
              "--config.train.log_every=1", "--config.train.eval_every=8", "--config.train.eval_batches=2",
-             "--config.sample.max_new_tokens=8"]
+             "--config.sample.max_new_tokens=8", "--config.train.profile_steps=2:4",
+             "--config.checkpoint.keep=2"]
 
 
 def _env() -> dict:
@@ -69,11 +70,12 @@ def test_run_writes_everything_and_the_loss_falls(uninterrupted):
   first = json.loads((uninterrupted / "metrics.jsonl").read_text().splitlines()[0])
   for key in ("step_time_s", "tokens_per_s", "grad_norm", "learning_rate", "expert_load_imbalance"):
     assert key in first
-  assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == \
-      ["16", "24", "8"]
+  kept = sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit())
+  assert kept == [16, 24]  # keep=2: the step-8 checkpoint was deleted
   assert list((uninterrupted / "tensorboard").iterdir())
   assert (uninterrupted / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "--- greedy ---" in (uninterrupted / "sample.txt").read_text()
+  assert list((uninterrupted / "profile").rglob("*.xplane.pb")), "no profiler trace for steps 2-3"
 
 
 @pytest.mark.slow
@@ -99,11 +101,11 @@ def test_kill_9_and_restart_continues_bitwise(uninterrupted, tmp_path):
 @pytest.mark.slow
 def test_restore_onto_another_layout(uninterrupted, tmp_path):
   workdir = tmp_path / "relayout"
-  # The data=8 run's first checkpoint, as if the run had stopped there, continued on data=2 x expert=4.
-  shutil.copytree(uninterrupted / "checkpoints" / str(EVERY), workdir / "checkpoints" / str(EVERY))
+  # The data=8 run's step-16 checkpoint, as if the run had stopped there, continued on data=2 x expert=4.
+  shutil.copytree(uninterrupted / "checkpoints" / str(2 * EVERY), workdir / "checkpoints" / str(2 * EVERY))
   shutil.copy(uninterrupted / "metrics.jsonl", workdir / "metrics.jsonl")
   result = _train(workdir, "--config.mesh.data=2", "--config.mesh.expert=4")
-  assert f"resumed from step {EVERY}" in result.stdout
+  assert f"resumed from step {2 * EVERY}" in result.stdout
   moved = {(r["kind"], r["step"]): r for r in _records(workdir)}
   reference = {(r["kind"], r["step"]): r for r in _records(uninterrupted)}
   assert moved.keys() == reference.keys()
