@@ -71,15 +71,18 @@ def train(config: Config, workdir: str | pathlib.Path) -> RunSummary:
   with metrics_lib.MetricsLogger(workdir, total_steps=config.train.steps, is_primary=is_primary,
                                  resume_step=first_step) as logger:
     last_log_time, last_log_step, metrics, eval_loss = time.perf_counter(), first_step, None, None
+    tracing = False
     for step in range(first_step, config.train.steps):
-      if step == profile.start and is_primary:
+      if step in profile and not tracing and is_primary:  # also when a resumed run starts inside the range
         jax.profiler.start_trace(str(workdir / "profile"))
+        tracing = True
       batch = train_step.place_batch(next(data.train), config, mesh)
       state, metrics = step_fn(state, batch)
       done = step + 1
-      if done == profile.stop and is_primary:
+      if tracing and (done == profile.stop or done == config.train.steps):
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
+        tracing = False
       if done % config.train.log_every == 0 or done == config.train.steps:
         step_time = (time.perf_counter() - last_log_time) / (done - last_log_step)
         logger.log_train(done, _train_record(metrics, step_time, b * s, flops_per_step, peak))
