@@ -164,15 +164,20 @@ def _documents(cfg: DataConfig) -> tuple[list[str], list[str]]:
     files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "__pycache__"} & set(p.parts))
     named = [(str(p.relative_to(root)), p) for p in files]
   else:
-    named = [(str(p), p) for p in _expand(cfg.paths, "data.paths")]
+    files = _expand(cfg.paths, "data.paths")
+    # Names relative to the files' common folder: the split does not depend on where the data lives.
+    common = os.path.commonpath([str(p.absolute().parent) for p in files])
+    named = [(os.path.relpath(p.absolute(), common), p) for p in files]
   if cfg.eval_paths.strip():
     eval_files = _expand(cfg.eval_paths, "data.eval_paths")
     train = [doc for _, path in named for doc in _read(path, cfg.source)]
     return _nonempty(train, "train"), _nonempty([d for p in eval_files for d in _read(p, cfg.source)], "eval")
   held_out = {name for name, _ in named if zlib.crc32(name.encode()) % 10_000 < cfg.eval_fraction * 10_000}
-  train = [doc for name, path in named if name not in held_out for doc in _read(path, cfg.source)]
-  evaluation = [doc for name, path in named if name in held_out for doc in _read(path, cfg.source)]
-  if not evaluation:  # too few files to hold one out: hold out the last documents instead
+  if held_out and len(held_out) < len(named):
+    train = [doc for name, path in named if name not in held_out for doc in _read(path, cfg.source)]
+    evaluation = [doc for name, path in named if name in held_out for doc in _read(path, cfg.source)]
+  else:  # too few files for the hash to split them: hold out the last documents instead
+    train = [doc for _, path in named for doc in _read(path, cfg.source)]
     if len(train) < 2:
       raise DataError(f"cannot hold out eval data from {len(train)} document(s) in {len(named)} file(s); "
                       "add documents or name eval files in data.eval_paths")

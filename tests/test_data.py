@@ -1,6 +1,7 @@
 """Data pipeline: tokenizers, sources, packing, determinism, resumption, process sharding, errors."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -202,3 +203,24 @@ def test_unigram_entropy_matches_numpy(tmp_path):
   probabilities = np.array([2 / 3, 1 / 3])
   np.testing.assert_allclose(data.build_data(config).unigram_entropy_nats,
                              -np.sum(probabilities * np.log(probabilities)), rtol=1e-12)
+
+
+def test_a_single_file_is_split_by_documents_whatever_its_name(tmp_path):
+  # With eval_fraction 0.3, about 3 in 10 names hash into the held-out set; a single file must still
+  # leave documents on both sides, and the split must not depend on the folder the file is in.
+  lines = "\n".join(json.dumps({"text": f"document {i}"}) for i in range(10))
+  splits = set()
+  for i in range(20):
+    folder = tmp_path / f"copy{i}"
+    folder.mkdir()
+    path = _write(folder, f"corpus{i}.jsonl", lines)
+    train, evaluation = data._documents(DataConfig(source="jsonl", paths=path, eval_fraction=0.3))
+    assert len(train) == 7 and len(evaluation) == 3
+    splits.add((tuple(train), tuple(evaluation)))
+  assert len(splits) == 1
+  two = [_write(tmp_path, f"part{i}.jsonl", lines) for i in range(2)]
+  for folder in ("a", "b"):  # the same two files in two places split the same way
+    (tmp_path / folder).mkdir()
+    moved = [_write(tmp_path / folder, pathlib.Path(p).name, lines) for p in two]
+    assert data._documents(DataConfig(source="jsonl", paths=",".join(moved), eval_fraction=0.3)) == \
+        data._documents(DataConfig(source="jsonl", paths=",".join(two), eval_fraction=0.3))
