@@ -1,11 +1,11 @@
-"""Forward+backward step time and compiled/model FLOP ratio of a config on the local devices.
+"""Train-step time of a config on the local devices, and the cost model beside the compiled program.
 
-  bash experiments/run.sh bench [--devices=8] [--preset=ep] [--data=-1 ...] [--steps=10]
+  bash experiments/run.sh bench [--devices=8] [--preset=ep] [--data=-1 ...] [--attention=ring] [--steps=10]
 
-With --devices=N on a CPU machine, N devices are simulated (set before JAX starts). Prints the mean step
-time over --steps timed runs after one warm-up, XLA's cost analysis of the compiled program (FLOPs per
-device) and the useful model FLOPs per device from meshmoe.cost_model; their ratio is close to 1 when the
-program does no redundant work.
+With --devices=N on a CPU machine, N devices are simulated (set before JAX starts). Prints the mean time
+of a full training step (forward, backward, optimizer) over --steps timed runs after one warm-up, then
+meshmoe.cost_model's figures next to XLA's analysis of the compiled step: FLOPs per device (useful and
+executed), bytes moved per collective kind per device, and memory per device.
 """
 
 import os
@@ -20,6 +20,7 @@ flags.DEFINE_string("preset", None, "sharding preset (default: the config's)")
 for _axis in ("data", "expert", "tensor", "sequence"):
   flags.DEFINE_integer(_axis, None, f"size of the {_axis} mesh axis")
 flags.DEFINE_string("gemm_impl", None, "grouped GEMM of the dropless MoE path: auto, blocked, ragged_dot")
+flags.DEFINE_string("attention", None, "context-parallel attention: allgather, ring, ulysses")
 FLAGS = flags.FLAGS
 
 
@@ -30,10 +31,10 @@ def main(argv):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={FLAGS.devices}")
   import jax
-  from flax import nnx
+  import numpy as np
 
   from experiments.configs import tiny_moe
-  from meshmoe import cost_model, step
+  from meshmoe import cost_collectives, cost_model, hlo_collectives, train_step
   from meshmoe.sharding.mesh import make_mesh
 
   config = tiny_moe.get_config()
@@ -41,34 +42,50 @@ def main(argv):
     config.mesh.preset = FLAGS.preset
   if FLAGS.gemm_impl:
     config.model.moe.gemm_impl = FLAGS.gemm_impl
+  if FLAGS.attention:
+    config.parallel.attention = FLAGS.attention
   for axis in ("data", "expert", "tensor", "sequence"):
     if getattr(FLAGS, axis) is not None:
       setattr(config.mesh, axis, getattr(FLAGS, axis))
-  config.validate(jax.device_count())
+  n = jax.device_count()
+  config.validate(n)
   mesh = make_mesh(config.mesh)
-  model = step.init_model(config, mesh)
-  _, params, others = nnx.split(model, nnx.Param, ...)
+  trainer, state = train_step.create(config, mesh)
   b, s = config.train.global_batch_size, config.train.seq_len
-  inputs, targets = step.synthetic_batch(config, mesh)
-  loss_and_grad = step.make_loss_and_grad(model, config, mesh)
-  compiled = loss_and_grad.lower(params, others, inputs, targets).compile()
-  jax.block_until_ready(compiled(params, others, inputs, targets))
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, s + 1), dtype=np.int32)
+  batch = train_step.place_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                                  "mask": np.ones((b, s), np.float32)}, config, mesh)
+  compiled = trainer.train_step.lower(state, batch).compile()
+  state, _ = compiled(state, batch)
+  jax.block_until_ready(state)
   start = time.perf_counter()
   for _ in range(FLAGS.steps):
-    jax.block_until_ready(compiled(params, others, inputs, targets))
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(metrics)
   step_time = (time.perf_counter() - start) / FLAGS.steps
 
+  cost = cost_model.step_cost(config, n, jax.default_backend())
   compiled_flops = compiled.cost_analysis()["flops"]
-  model_flops = cost_model.train_step_flops(config.model, b, s) / jax.device_count()
-  forward = cost_model.forward_flops(config.model, b, s)
-  print(f"config tiny_moe  mesh {dict(mesh.shape)}  preset {config.mesh.preset}  "
-        f"gemm {config.model.moe.gemm_impl}  {jax.device_count()} {jax.default_backend()} devices")
-  print(f"forward+backward step time   {step_time * 1e3:9.1f} ms  ({b * s / step_time:,.0f} tokens/s)")
-  print(f"compiled FLOPs per device    {compiled_flops / 1e9:9.3f} GFLOP")
-  print(f"useful model FLOPs / device  {model_flops / 1e9:9.3f} GFLOP")
-  print(f"ratio compiled / model       {compiled_flops / model_flops:9.3f}")
-  print("useful forward FLOPs by part: " + ", ".join(
-      f"{k} {v / forward.total:.1%}" for k, v in vars(forward).items()))
+  executed = cost.executed_flops_per_device.total
+  print(f"config tiny_moe  mesh {dict(mesh.shape)}  preset {config.mesh.preset}  attention "
+        f"{config.parallel.attention}  gemm {config.model.moe.gemm_impl}  {n} {jax.default_backend()} devices")
+  print(f"train step time                {step_time * 1e3:9.1f} ms  ({b * s / step_time:,.0f} tokens/s)")
+  print(f"FLOPs/device: compiled         {compiled_flops / 1e9:9.3f} GFLOP")
+  print(f"              cost model exec  {executed / 1e9:9.3f} GFLOP  (compiled/model {compiled_flops / executed:.3f})")
+  print(f"              useful           {cost.model_flops / n / 1e9:9.3f} GFLOP  "
+        f"(compiled/useful {compiled_flops * n / cost.model_flops:.3f})")
+  found = hlo_collectives.bytes_by_kind(hlo_collectives.collectives(compiled.as_text(), n))
+  modelled = cost_collectives.bytes_by_kind(cost.collectives)
+  print("collective bytes/device/step:  kind                 cost model       compiled HLO")
+  for kind in sorted(set(found) | set(modelled)):
+    print(f"                               {kind:18s} {modelled.get(kind, 0) / 1e6:10.3f} MB  "
+          f"{found.get(kind, 0) / 1e6:10.3f} MB")
+  memory = compiled.memory_analysis()
+  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+          + memory.temp_size_in_bytes)
+  print(f"memory/device: cost model {cost.memory.total / 1e6:.1f} MB (params {cost.memory.params / 1e6:.1f}, "
+        f"grads {cost.memory.gradients / 1e6:.1f}, optimizer {cost.memory.optimizer / 1e6:.1f}, "
+        f"activations {cost.memory.activations / 1e6:.1f});  compiled {peak / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.config import ModelConfig
 from meshmoe.models.layers import param, rotate
-from meshmoe.sharding.shardings import constrain
+from meshmoe.sharding import context_parallel, tensor_parallel
 
 
 class Attention(nnx.Module):
@@ -22,16 +21,14 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
-    dtype = x_BSD.dtype
-    q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, self.query_DNH[...].astype(dtype))
-    k_BSGH = jnp.einsum("bsd,dgh->bsgh", x_BSD, self.key_DGH[...].astype(dtype))
-    v_BSGH = jnp.einsum("bsd,dgh->bsgh", x_BSD, self.value_DGH[...].astype(dtype))
-    q_BSNH = constrain(rotate(q_BSNH, positions_BS, self.rope_theta),
-                       ("act_batch", "act_attn_seq", "act_heads", "act_head_dim"))
-    k_BSGH = constrain(rotate(k_BSGH, positions_BS, self.rope_theta),
-                       ("act_batch", None, "act_kv_heads", "act_head_dim"))
-    v_BSGH = constrain(v_BSGH, ("act_batch", None, "act_kv_heads", "act_head_dim"))
-    # Softmax in float32 whatever the compute dtype; the library handles N = G * (queries per group).
-    o_BSNH = jax.nn.dot_product_attention(q_BSNH, k_BSGH, v_BSGH, is_causal=True)
-    o_BSNH = constrain(o_BSNH, ("act_batch", "act_attn_seq", "act_heads", "act_head_dim"))
-    return jnp.einsum("bsnh,nhd->bsd", o_BSNH, self.out_NHD[...].astype(dtype))
+    """`positions_BS` are the tokens' places in their sequence (they need not be sorted: context-parallel
+    attention permutes the sequence); causality follows them."""
+    # Column-parallel projections, sequence- (context-) parallel attention, row-parallel output: each a
+    # parallel op of meshmoe.sharding, so the model never names a mesh axis.
+    q_BSNH, k_BSGH, v_BSGH = tensor_parallel.project_in(
+        x_BSD, [self.query_DNH[...], self.key_DGH[...], self.value_DGH[...]],
+        [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"), ("embed", "kv_heads", "head_dim")])
+    q_BSNH = rotate(q_BSNH, positions_BS, self.rope_theta)
+    k_BSGH = rotate(k_BSGH, positions_BS, self.rope_theta)
+    o_BSNH = context_parallel.attention(q_BSNH, k_BSGH, v_BSGH, positions_BS)
+    return tensor_parallel.project_out(o_BSNH, self.out_NHD[...], ("heads", "head_dim", "embed"))

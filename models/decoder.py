@@ -18,6 +18,7 @@ from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.moe import MoEBlock, MoEStats
 from meshmoe.models.router import update_expert_bias
+from meshmoe.sharding import context_parallel
 from meshmoe.sharding.shardings import constrain
 
 _RESIDUAL = ("act_batch", "act_seq", "act_embed")
@@ -35,7 +36,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
     x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL)
     if isinstance(self.ffn, MoEBlock):
-      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD))
+      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS)
     else:
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
     return constrain(x_BSD + y_BSD, _RESIDUAL), stats
@@ -63,10 +64,12 @@ class Transformer(nnx.Module):
     self.unembed_DV = (None if cfg.tie_embeddings
                        else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std))
 
-  def __call__(self, tokens_BS: jax.Array) -> tuple[jax.Array, ModelAux]:
-    """Float32 logits [B, S, V] and the MoE statistics."""
+  def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
+    """Float32 logits [B, S, V] and the MoE statistics. `positions_BS` (default 0..S-1 in order) give each
+    token's place in its sequence when the sequence is permuted (see `lm_loss_terms`)."""
     dtype = jnp.dtype(self.cfg.dtype)
-    positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+    if positions_BS is None:
+      positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL)
     stats = []
     for layer in self.layers:
@@ -119,10 +122,19 @@ def lm_loss(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
 
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
                   mask_BS: jax.Array | None = None) -> dict[str, jax.Array]:
-  """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly."""
-  logits_BSV, aux = model(tokens_BS)
+  """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly.
+
+  Context-parallel attention wants the sequence in a load-balancing order; the loss is a sum over tokens,
+  so the tokens, targets and mask are permuted alike and the positions tell the model where each token
+  sits. The permutation is the identity when the sequence is not split."""
+  mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
+  order_S = context_parallel.sequence_order(tokens_BS.shape[1])  # None: keep the order
+  positions_BS = None
+  if order_S is not None:
+    positions_BS = jnp.broadcast_to(jnp.asarray(order_S), tokens_BS.shape)
+    tokens_BS, targets_BS, mask_BS = (a[:, order_S] for a in (tokens_BS, targets_BS, mask_BS))
+  logits_BSV, aux = model(tokens_BS, positions_BS)
   ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
-  mask_BS = jnp.ones_like(ce_BS) if mask_BS is None else mask_BS.astype(jnp.float32)
   return {"ce_sum": jnp.sum(ce_BS * mask_BS), "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,
           "z_loss": aux.z_loss, "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L}
 

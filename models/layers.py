@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshmoe.sharding.shardings import constrain
+from meshmoe.sharding import tensor_parallel
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], logical_axes: Sequence[str | None], std: float) -> nnx.Param:
@@ -69,8 +69,7 @@ class SwiGLU(nnx.Module):
     self.down_FD = param(rngs, (width, dim), ("mlp", "embed"), std)
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
-    dtype = x_BSD.dtype
-    gate = jnp.einsum("bsd,df->bsf", x_BSD, self.gate_DF[...].astype(dtype))
-    up = jnp.einsum("bsd,df->bsf", x_BSD, self.up_DF[...].astype(dtype))
-    h_BSF = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
-    return jnp.einsum("bsf,fd->bsd", h_BSF, self.down_FD[...].astype(dtype))
+    # Column- then row-parallel under tensor parallelism (sharding/tensor_parallel.py).
+    gate_BSF, up_BSF = tensor_parallel.project_in(x_BSD, [self.gate_DF[...], self.up_DF[...]],
+                                                  [("embed", "mlp")] * 2)
+    return tensor_parallel.project_out(jax.nn.silu(gate_BSF) * up_BSF, self.down_FD[...], ("mlp", "embed"))

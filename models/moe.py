@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.config import ModelConfig
-from meshmoe.models import dispatch
 from meshmoe.models.layers import SwiGLU, param
 from meshmoe.models.router import Router
+from meshmoe.sharding import dispatch, expert_parallel
 from meshmoe.sharding.shardings import constrain
 
 
@@ -45,22 +45,23 @@ class MoEBlock(nnx.Module):
     self.shared = (SwiGLU(d, moe.num_shared_experts * moe.expert_mlp_dim, std=std, rngs=rngs)
                    if moe.num_shared_experts else None)
 
-  def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats]:
-    b, s, d = x_BSD.shape
-    k = self.cfg.top_k
-    routing = self.router(x_BSD.reshape(b * s, d))
-    experts_BSK = routing.experts_TK.reshape(b, s, k)
-    weights_BSK = routing.weights_TK.reshape(b, s, k)
-    w = dispatch.ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+    """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted."""
+    b, s, _ = x_BSD.shape
+    num_experts = self.cfg.num_experts
+    routing = self.router(x_BSD)
+    experts_BSK, weights_BSK = routing.experts_TK, routing.weights_TK
+    dropped_fraction = jnp.zeros((), jnp.float32)
     if self.cfg.capacity_factor is not None:
-      y_BSD, dropped_B = dispatch.capacity(x_BSD, experts_BSK, weights_BSK, w, self.cfg.capacity_factor)
-      dropped_fraction = jnp.sum(dropped_B) / (b * s * k)
-    else:
-      if resolve_gemm_impl(self.cfg.gemm_impl) == "ragged_dot":
-        y_BSD = dispatch.dropless_ragged(x_BSD, experts_BSK, weights_BSK, w)
-      else:
-        y_BSD = dispatch.dropless_blocked(x_BSD, experts_BSK, weights_BSK, w, self.cfg.gemm_block_rows)
-      dropped_fraction = jnp.zeros((), jnp.float32)
+      if positions_BS is None:
+        positions_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
+      kept_BSK = dispatch.capacity_keep(experts_BSK, positions_BS, num_experts, self.cfg.capacity_factor)
+      experts_BSK = jnp.where(kept_BSK, experts_BSK, num_experts)  # id E: never sent, never computed
+      dropped_fraction = 1.0 - jnp.mean(kept_BSK.astype(jnp.float32))
+    w = dispatch.ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
+    y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w,
+                                    gemm_impl=resolve_gemm_impl(self.cfg.gemm_impl),
+                                    block_rows=self.cfg.gemm_block_rows)
     y_BSD = constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)

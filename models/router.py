@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,8 @@ class ExpertBias(nnx.Variable):
 
 @dataclasses.dataclass
 class Routing:
+  """T stands for the input's token dimensions, one ([T]) or more ([B, S])."""
+
   experts_TK: jax.Array  # int32 expert ids, distinct per token
   weights_TK: jax.Array  # float32 combine weights
   aux_loss: jax.Array  # scalar load-balancing loss
@@ -46,8 +49,11 @@ class Router(nnx.Module):
         if cfg.expert_bias else None
 
   def __call__(self, x_TD: jax.Array) -> Routing:
+    """Routes tokens x[..., D]. Keeping the batch and sequence dimensions apart (no reshape to [B*S, D])
+    lets a sequence split over devices stay split: flattening it would force a gather."""
     cfg = self.cfg
-    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.kernel_DE[...])
+    token_dims = tuple(range(x_TD.ndim - 1))
+    logits_TE = jnp.einsum("...d,de->...e", x_TD.astype(jnp.float32), self.kernel_DE[...])
     if cfg.score_fn == "softmax":
       scores_TE = jax.nn.softmax(logits_TE, axis=-1)
     else:
@@ -59,12 +65,12 @@ class Router(nnx.Module):
       weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
     weights_TK = weights_TK * cfg.routed_scaling
 
-    num_tokens = x_TD.shape[0]
-    load_E = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
+    num_tokens = math.prod(x_TD.shape[:-1])
+    load_E = jnp.sum(jax.nn.one_hot(experts_TK, cfg.num_experts, dtype=jnp.float32), axis=token_dims + (-2,))
     fraction_E = load_E / (num_tokens * cfg.top_k)
     # Sigmoid scores do not sum to one; normalise per token so p_e is a distribution like softmax's.
     probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
-    aux_loss = cfg.num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=0))
+    aux_loss = cfg.num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=token_dims))
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
     return Routing(experts_TK.astype(jnp.int32), weights_TK, aux_loss, z_loss, load_E)
 

@@ -147,6 +147,9 @@ _DESCRIPTION = {
     "kv_heads": "the key/value heads", "head_dim": "the head dimension", "mlp": "the dense MLP width",
     "exp": "the experts", "exp_mlp": "the expert MLP width", "act_batch": "the batch",
     "act_seq": "the sequence between blocks", "act_attn_seq": "the sequence inside attention",
+    "act_attn_seq_chunks": "the sequence into an early and a late chunk per device for attention",
+    "act_ulysses_heads": "the attention heads for Ulysses attention (parallel.attention='ulysses')",
+    "act_ulysses_kv_heads": "the key/value heads for Ulysses attention (parallel.attention='ulysses')",
 }
 
 
@@ -165,6 +168,7 @@ def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
       for field, value, size in sizes.get(name, []):
         if size % parts:
           problems.append((size != value, name, axes, parts, field, value, size))
+  problems += _context_parallel_problems(config, preset, mesh_sizes)
   if not problems:
     return
   _, name, axes, parts, field, value, size = min(problems, key=lambda p: p[0])
@@ -173,6 +177,27 @@ def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
           f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
   what = _DESCRIPTION.get(name) or _DESCRIPTION.get(name.removeprefix("act_"), name)
   raise ConfigError(field, value, f"{need}: preset {config.mesh.preset!r} splits {what} over mesh axes {split}")
+
+
+def _context_parallel_problems(config: Config, preset: Preset, mesh_sizes: Mapping[str, int]) -> list:
+  """Attention over a split sequence cuts it into 2n chunks (an early and a late one per device); Ulysses
+  also splits the (already tensor-split) heads n ways."""
+  axes = preset.activations.get("act_attn_seq", ())
+  n = math.prod(mesh_sizes[a] for a in axes)
+  if n == 1:
+    return []
+  problems = []
+  if config.train.seq_len % (2 * n):
+    problems.append((False, "act_attn_seq_chunks", axes, 2 * n, "train.seq_len", config.train.seq_len,
+                     config.train.seq_len))
+  if config.parallel.attention == "ulysses":
+    for name, field in (("heads", "model.num_heads"), ("kv_heads", "model.num_kv_heads")):
+      split = math.prod(mesh_sizes[a] for a in preset.params.get(name, ()))
+      value = _field_value(config, field)
+      if value % (split * n):
+        problems.append((False, "act_ulysses_" + name, axes + preset.params.get(name, ()), split * n, field,
+                         value, value))
+  return problems
 
 
 def _field_value(config: Config, field: str) -> int:

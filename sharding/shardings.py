@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshmoe.config import ParallelConfig
 from meshmoe.sharding.rules import Preset, Rules, get_preset, logical_to_spec
 
 
@@ -24,18 +25,31 @@ from meshmoe.sharding.rules import Preset, Rules, get_preset, logical_to_spec
 class ShardingContext:
   mesh: Mesh
   preset: Preset
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # parallel-op choices
 
 
 _CURRENT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar("meshmoe_rules", default=None)
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, preset: str | Preset) -> Iterator[ShardingContext]:
-  """Activates `preset` on `mesh` for `constrain` calls traced inside the block."""
-  ctx = ShardingContext(mesh, get_preset(preset) if isinstance(preset, str) else preset)
+def use_rules(mesh: Mesh, preset: str | Preset,
+              parallel: ParallelConfig | None = None) -> Iterator[ShardingContext]:
+  """Activates `preset` on `mesh` (and the parallel-op choices) for model code traced inside the block."""
+  ctx = ShardingContext(mesh, get_preset(preset) if isinstance(preset, str) else preset,
+                        parallel or ParallelConfig())
   token = _CURRENT.set(ctx)
   try:
     yield ctx
+  finally:
+    _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def per_device() -> Iterator[None]:
+  """Deactivates the rules: for code traced inside a shard_map body, which sees per-device arrays."""
+  token = _CURRENT.set(None)
+  try:
+    yield
   finally:
     _CURRENT.reset(token)
 

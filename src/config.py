@@ -17,6 +17,7 @@ MESH_AXES = ("data", "expert", "tensor", "sequence")
 PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
 # Parallel-op tiers (DESIGN.md). Only the tiers that exist are accepted.
 IMPLS = ("reference",)
+ATTENTION_KINDS = ("allgather", "ring", "ulysses")
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
 GEMM_IMPLS = ("auto", "blocked", "ragged_dot")
@@ -93,7 +94,11 @@ class MeshConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
-  impl: str = "reference"  # parallel-op tier
+  impl: str = "reference"  # parallel-op tier (DESIGN.md: reference, then xla and pallas)
+  # Attention over a sequence split across devices (sharding/context_parallel.py): "allgather" (gather
+  # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
+  # from sequence-split to head-split; needs the KV heads divisible by the sequence split).
+  attention: str = "allgather"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -177,6 +182,7 @@ class Config:
     _validate_checkpoint_and_sample(self.checkpoint, self.sample)
     _validate_mesh(self.mesh)
     _check_choice("parallel.impl", self.parallel.impl, IMPLS)
+    _check_choice("parallel.attention", self.parallel.attention, ATTENTION_KINDS)
     if num_devices is not None:
       from meshmoe.sharding import rules  # lazy: sharding imports this module
 

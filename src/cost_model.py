@@ -1,17 +1,27 @@
-"""Analytic cost model: useful model FLOPs of a training step.
+"""Analytic cost model of a training step: FLOPs here; collectives in cost_collectives.py, memory in
+cost_memory.py; `step_cost` gathers all three.
 
-Counts the matmul FLOPs a perfect implementation must execute (2 per multiply-add): projections, the
-causal half of the attention scores and values, the router, the top-k experts each token actually uses,
-shared experts, dense layers and the output logits. A training step is forward + backward = 3 x forward.
-Elementwise work (norms, softmax, activations) is not counted; compiled programs count it, which is one
-reason their FLOPs exceed these.
+Useful model FLOPs count the matmuls a perfect implementation must execute (2 per multiply-add):
+projections, the causal half of the attention scores and values, the router, the top-k experts each token
+actually uses, shared experts, dense layers and the output logits. A training step is forward + backward
+= 3 x forward. MFU uses these.
+
+Executed FLOPs per device count what meshmoe's implementation runs on one device: attention over the
+blocks it really computes (all S x S pairs on one device, or 2n+1 of 4n blocks with the load-balanced
+all-gather), the grouped GEMM's padding (tile padding, and the dropless worst-case receive buffer of
+expert parallelism), work repeated on devices that hold the same tokens (the router and logits under
+`megascale`, which leaves `tensor` out of the token split), and the forward again under remat.
+Elementwise work (norms, softmax, activations) is counted by neither; compiled programs count it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from meshmoe.config import ModelConfig
+from meshmoe.config import Config, ModelConfig, resolve_mesh_sizes
+from meshmoe.sharding.dispatch import choose_block_rows
+from meshmoe.sharding.rules import get_preset, logical_to_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,3 +76,78 @@ def active_params(cfg: ModelConfig) -> dict[str, int]:
       "total": common + num_moe * moe.num_experts * expert,
       "active": common + num_moe * moe.top_k * expert,
   }
+
+
+def executed_flops_per_device(config: Config, num_devices: int, platform: str = "cpu") -> ForwardFlops:
+  """FLOPs one device executes per training step, by part (forward, backward and remat together)."""
+  m, moe, t = config.model, config.model.moe, config.train
+  sizes = resolve_mesh_sizes(config.mesh, num_devices)
+  preset = get_preset(config.mesh.preset)
+  split = lambda logical, rules: math.prod(
+      sizes[a] for entry in logical_to_spec(logical, rules) if entry is not None
+      for a in ((entry,) if isinstance(entry, str) else entry))
+  useful = forward_flops(m, t.global_batch_size, t.seq_len)
+  per_device = {name: value / num_devices for name, value in vars(useful).items()}
+  # Work done once per group of devices holding the same tokens is repeated on each of them.
+  token_split = split(("act_batch", "act_seq"), preset.activations)
+  per_device["router"] = useful.router / token_split
+  per_device["logits"] = useful.logits / split(("act_batch", "act_seq", "act_vocab"), preset.activations)
+  n = split(("act_attn_seq",), preset.activations)
+  dense_scores = useful.attention_scores * t.seq_len / (t.seq_len + 1) * 2  # all S x S pairs
+  computed = {"allgather": (2 * n + 1) / (4 * n)}.get(config.parallel.attention, 1.0) if n > 1 else 1.0
+  per_device["attention_scores"] = dense_scores * computed / num_devices
+  per_device["routed_experts"] = _expert_flops(config, sizes, preset, split, platform)
+  forward = ForwardFlops(**per_device)
+  recompute = {"none": 0.0, "full": 1.0, "dots": 0.0}[m.remat]
+  scale = {name: 3.0 + recompute for name in per_device}
+  if m.remat == "dots":  # dots with batch dimensions (attention, per-tile expert GEMMs) are recomputed
+    scale["attention_scores"] = scale["routed_experts"] = 4.0
+  return ForwardFlops(**{name: scale[name] * value for name, value in vars(forward).items()})
+
+
+def _expert_flops(config: Config, sizes, preset, split, platform: str) -> float:
+  """Forward FLOPs of one device's routed-expert GEMMs, as the dispatch lays them out."""
+  m, moe, t = config.model, config.model.moe, config.train
+  num_moe = m.num_layers - m.num_dense_layers
+  micro = t.global_batch_size // t.grad_accum_steps
+  ep = split(("exp",), preset.params)
+  width_split = split(("exp_mlp",), preset.params)
+  token_split = split(("act_batch", "act_seq"), preset.activations)
+  # Tokens this device routes: its share, gathered over the expert-width axes that also split tokens.
+  token_axes = [a for e in logical_to_spec(("act_batch", "act_seq"), preset.activations) if e is not None
+                for a in ((e,) if isinstance(e, str) else e)]
+  width_axes = logical_to_spec((None, "exp_mlp"), preset.params)[1]
+  width_axes = () if width_axes is None else (width_axes,) if isinstance(width_axes, str) else width_axes
+  gathered = math.prod(sizes[a] for a in width_axes if a in token_axes)
+  assignments = micro * t.seq_len // token_split * gathered * moe.top_k
+  rows = ep * assignments  # the receive buffer: dropless worst case
+  local_experts = moe.num_experts // ep
+  gemm = moe.gemm_impl if moe.gemm_impl != "auto" else ("blocked" if platform == "cpu" else "ragged_dot")
+  if gemm == "blocked":
+    height = moe.gemm_block_rows or choose_block_rows(rows, local_experts)
+    computed_rows = (rows + local_experts * (height - 1)) // height * height
+  else:
+    computed_rows = rows * (local_experts if platform == "cpu" else 1)
+  per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / width_split
+  return num_moe * per_step_micro * t.grad_accum_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """The cost model's figures for one training step of a (config, device count)."""
+
+  model_flops: float  # useful FLOPs, whole step, all devices
+  executed_flops_per_device: ForwardFlops  # by part, forward + backward + remat
+  collectives: list  # cost_collectives.CollectiveCost, per device
+  memory: object  # cost_memory.MemoryCost, per device
+
+
+def step_cost(config: Config, num_devices: int, platform: str = "cpu") -> StepCost:
+  from meshmoe import cost_collectives, cost_memory  # they import this module's neighbours only
+
+  t = config.train
+  return StepCost(
+      model_flops=train_step_flops(config.model, t.global_batch_size, t.seq_len),
+      executed_flops_per_device=executed_flops_per_device(config, num_devices, platform),
+      collectives=cost_collectives.collective_costs(config, num_devices),
+      memory=cost_memory.memory_per_device(config, num_devices))

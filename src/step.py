@@ -59,7 +59,7 @@ def make_loss_and_grad(model: Transformer, config: Config, mesh: Mesh) -> Callab
 
   def loss_and_grad(params, others, inputs_BS, targets_BS):
     def loss_of(params):
-      with use_rules(mesh, config.mesh.preset):
+      with use_rules(mesh, config.mesh.preset, config.parallel):
         return lm_loss(nnx.merge(graphdef, params, others), inputs_BS, targets_BS)
 
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)

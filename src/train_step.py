@@ -97,7 +97,7 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, 
     total_tokens = jnp.sum(batch["mask"])
 
     def loss_of(params, micro):
-      with use_rules(mesh, config.mesh.preset):
+      with use_rules(mesh, config.mesh.preset, config.parallel):
         model = nnx.merge(graphdef, params, state.others)
         terms = lm_loss_terms(model, micro["inputs"], micro["targets"], micro["mask"])
       return combine_loss_terms(terms, moe, total_tokens, count), terms
@@ -137,7 +137,7 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, 
 
 def _make_eval_step(graphdef, config: Config, mesh: Mesh) -> Callable:
   def eval_step(params, others, batch):
-    with use_rules(mesh, config.mesh.preset):
+    with use_rules(mesh, config.mesh.preset, config.parallel):
       terms = lm_loss_terms(nnx.merge(graphdef, params, others), batch["inputs"], batch["targets"],
                             batch["mask"])
     return {"ce_sum": terms["ce_sum"], "tokens": terms["tokens"]}

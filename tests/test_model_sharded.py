@@ -6,17 +6,18 @@ import pytest
 from flax import nnx
 
 from meshmoe import step
-from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, TrainConfig
+from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from meshmoe.sharding.mesh import make_mesh
 from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
 
-def small_config(**moe_overrides) -> Config:
-  """Every feature on: a dense first layer, shared experts, untied output, divisible on every layout."""
+def small_config(heads: tuple[int, int] = (4, 2), **moe_overrides) -> Config:
+  """Every feature on: a dense first layer, shared experts, untied output, divisible on every layout.
+  `heads` = (query heads, key/value heads)."""
   moe = MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=32, num_shared_experts=1, **moe_overrides)
   return Config(
-      model=ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_dense_layers=1, num_heads=4,
-                        num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=16, tie_embeddings=False,
+      model=ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_dense_layers=1, num_heads=heads[0],
+                        num_kv_heads=heads[1], head_dim=8, mlp_dim=64, max_seq_len=16, tie_embeddings=False,
                         init_std=0.1, moe=moe),
       train=TrainConfig(global_batch_size=8, seq_len=16, seed=3),
   )
@@ -59,11 +60,13 @@ def _single_device(variant: str, config: Config) -> tuple[float, dict]:
   return _REFERENCE[variant]
 
 
-def _check_layout(variant: str, moe_overrides: dict, sizes, preset):
-  ref_loss, ref_grads = _single_device(variant, small_config(**moe_overrides))
-  config = small_config(**moe_overrides)
+def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: str = "allgather",
+                  heads: tuple[int, int] = (4, 2)):
+  ref_loss, ref_grads = _single_device(variant, small_config(heads, **moe_overrides))
+  config = small_config(heads, **moe_overrides)
   data, expert, tensor, sequence = sizes
   config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
+  config.parallel = ParallelConfig(attention=attention)
   loss, grads = _loss_and_grads(config, jax.devices())
   assert_close(loss, ref_loss, FP32_MODEL_RTOL, "loss")
   assert grads.keys() == ref_grads.keys()
@@ -77,8 +80,26 @@ def test_dropless_model_matches_single_device(sizes, preset):
   _check_layout("dropless", {}, sizes, preset)
 
 
+# Context-parallel attention kinds other than the default all-gather, on layouts that split the sequence.
+ATTENTION_LAYOUTS = [
+    ((2, 2, 1, 2), "megascale", "ring"), ((1, 2, 1, 4), "megascale", "ring"), ((2, 1, 2, 2), "tp_sp", "ring"),
+    ((2, 2, 1, 2), "megascale", "ulysses"), ((4, 1, 1, 2), "tp_sp", "ulysses"),
+    ((2, 1, 2, 2), "megascale", "ulysses"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset", [((2, 4, 1, 1), "ep"), ((2, 2, 1, 2), "megascale")])
+@pytest.mark.parametrize("sizes,preset,attention", ATTENTION_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{a}" for s, p, a in ATTENTION_LAYOUTS])
+def test_context_parallel_kinds_match_single_device(sizes, preset, attention):
+  # Ulysses splits the key/value heads over the sequence devices too: 8 query and 4 key/value heads.
+  heads = (8, 4) if attention == "ulysses" else (4, 2)
+  _check_layout("dropless" if heads == (4, 2) else "more_heads", {}, sizes, preset, attention, heads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset", [((2, 4, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"),
+                                          ((2, 2, 2, 1), "tp_sp"), ((1, 2, 1, 4), "megascale")])
 def test_capacity_model_matches_single_device(sizes, preset):
   _check_layout("capacity", {"capacity_factor": 0.75}, sizes, preset)
 

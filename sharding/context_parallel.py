@@ -1,0 +1,222 @@
+"""Context-parallel causal attention: attention over a sequence split across devices.
+
+Layout. When the rules split the sequence inside attention (`act_attn_seq`) over n devices, the model
+permutes each sequence into zigzag order (`zigzag_order`): cut into 2n chunks, device d holds chunks d
+and 2n-1-d. Causal attention's work grows with a query's position, so an early and a late chunk give
+every device the same amount. Positions travel with the tokens and causality follows them (key j is
+visible to query i iff pos_j <= pos_i), so any order is correct; zigzag only balances the work.
+
+Kinds (`parallel.attention`), for a device r of n holding Sl = S/n = 2c rows of q, k, v:
+- `allgather`: all-gather K, V and positions over the sequence axes ([B, S, G, H] each), then compute only
+  the causal c x c blocks: the early chunk r needs key chunks 0..r, the late chunk 2n-1-r needs
+  0..2n-1-r, so 2n+1 blocks on every device (against 4n for the full square). Blocks 0 (early) and n..2n
+  (late) are the same kind on every device; blocks 1..n-1 are early on some and late on others, chosen at
+  run time from r. Memory: the gathered K/V. Communication: (n-1)/n of the gathered K/V per layer, and a
+  reduce-scatter of their gradients (all_gather's transpose) in the backward pass.
+- `ring`: K/V/position blocks travel around the ring, n-1 `ppermute`s (the last block goes nowhere); each
+  step attends to the block at hand (backward: the reverse ring). Memory: the block held and the one in
+  flight. Communication: the same bytes as the all-gather, in n-1 steps that later tiers overlap with
+  compute. This tier computes every 2c x 2c block densely and masks it: 2x the causal work.
+- `ulysses`: all-to-all from sequence-split to head-split ([B, Sl, N, H] -> [B, S, N/n, H]) for q, k and
+  v, attention over the whole sequence for N/n heads (and G/n key/value heads: G must be divisible by n),
+  and an all-to-all back. After the first all-to-all the rows are every device's zigzag rows in device
+  order, which is the order of the all-gathered positions, so masking by position stays right.
+  Memory: the S x S scores of N/n heads. Communication: (n-1)/n of q, k, v and the output, whatever the
+  causal structure; the all-to-all is its own transpose.
+
+Blocks accumulate with an online softmax in float32 (running max, denominator and output). The merge is
+commutative and masks with a large finite negative number, so a fully masked block contributes exactly
+zero and never a NaN (-inf - -inf). The running max is kept out of autodiff: the result does not depend
+on it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshmoe.sharding import parallel
+from meshmoe.sharding.shardings import current
+
+KINDS = ("allgather", "ring", "ulysses")
+_MASKED = -1e30  # finite, so a fully masked block gives exp(0) * 0 = 0 instead of NaN
+
+
+def zigzag_order(seq_len: int, num_shards: int) -> np.ndarray:
+  """The zigzag permutation: permuted[i] = original[order[i]] (int32, [seq_len]). The sequence is cut into
+  2n equal chunks (n = num_shards) and the permuted one, split contiguously into n parts, gives part d
+  chunks d and 2n-1-d. The identity for n == 1; ValueError if 2n does not divide seq_len."""
+  if num_shards < 1:
+    raise ValueError(f"num_shards must be positive, got {num_shards}")
+  if num_shards == 1:
+    return np.arange(seq_len, dtype=np.int32)
+  if seq_len % (2 * num_shards):
+    raise ValueError(f"sequence length {seq_len} is not divisible into 2 x {num_shards} chunks")
+  chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * num_shards, -1)
+  return np.concatenate([np.concatenate([chunks[d], chunks[2 * num_shards - 1 - d]])
+                         for d in range(num_shards)])
+
+
+def causal_attention(q_BSNH, k_BSGH, v_BSGH, q_pos_BS, k_pos_BS) -> jax.Array:
+  """Attention where query i sees key j iff k_pos[j] <= q_pos[i]; GQA (query head n uses key/value
+  head n // (N/G)); scores scaled by 1/sqrt(H); softmax in float32; output in q's dtype. A query that
+  sees no key gets zeros."""
+  stats = _block(_group(q_BSNH, k_BSGH.shape[2]), k_BSGH, v_BSGH, q_pos_BS, k_pos_BS)
+  return _finish(stats, q_BSNH)
+
+
+def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, kind: str, axis_names: parallel.Axes) -> jax.Array:
+  """Causal attention inside jax.shard_map over a sequence split over `axis_names`.
+
+  q/k/v/pos are this device's rows of a sequence permuted by zigzag_order(S, n) (n: the product of the
+  axes' sizes) and split contiguously over `axis_names` in that order (device index
+  jax.lax.axis_index(axis_names)); pos_BS holds the rows' original positions. Heads are local. Returns
+  this device's output rows, laid out like q. With no axes, plain local attention."""
+  if kind not in KINDS:
+    raise ValueError(f"unknown context-parallel attention {kind!r}; known: {KINDS}")
+  if not axis_names:
+    return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS)
+  if kind == "allgather":
+    return _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+  if kind == "ring":
+    return _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+  return _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+
+
+def _axis_size(axes: parallel.Axes) -> int:
+  return int(np.prod([jax.lax.axis_size(a) for a in axes]))
+
+
+def _group(q_BSNH, num_kv_heads: int) -> jax.Array:
+  """[B, S, N, H] -> [B, S, G, N/G, H]: the query heads that share each key/value head."""
+  b, s, n, h = q_BSNH.shape
+  return q_BSNH.reshape(b, s, num_kv_heads, n // num_kv_heads, h)
+
+
+def _block(q_BSGRH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT):
+  """Online-softmax statistics of queries against one key block: (max, denominator, output), float32."""
+  scale = q_BSGRH.shape[-1] ** -0.5
+  s_BGRST = jnp.einsum("bsgrh,btgh->bgrst", q_BSGRH, k_BTGH, preferred_element_type=jnp.float32) * scale
+  visible_BST = k_pos_BT[:, None, :] <= q_pos_BS[:, :, None]
+  s_BGRST = jnp.where(visible_BST[:, None, None], s_BGRST, _MASKED)
+  # The softmax does not depend on the running max; keeping it out of autodiff avoids ties' gradients.
+  m_BGRS = jax.lax.stop_gradient(jnp.max(s_BGRST, axis=-1))
+  p_BGRST = jnp.exp(s_BGRST - m_BGRS[..., None]) * visible_BST[:, None, None]
+  o_BGRSH = jnp.einsum("bgrst,btgh->bgrsh", p_BGRST, v_BTGH.astype(jnp.float32))
+  return m_BGRS, jnp.sum(p_BGRST, axis=-1), o_BGRSH
+
+
+def _merge(a, b):
+  (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
+  m = jnp.maximum(m_a, m_b)
+  w_a, w_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+  return m, l_a * w_a + l_b * w_b, o_a * w_a[..., None] + o_b * w_b[..., None]
+
+
+def _finish(stats, q_BSNH) -> jax.Array:
+  _, l_BGRS, o_BGRSH = stats
+  # In sharded_attention every query sees at least itself (l > 0); causal_attention with unrelated query
+  # and key positions may leave a query nothing to see: it gets zeros, not 0/0.
+  o_BGRSH = o_BGRSH / jnp.where(l_BGRS > 0, l_BGRS, 1.0)[..., None]
+  b, s, n, h = q_BSNH.shape
+  return jnp.moveaxis(o_BGRSH, 3, 1).reshape(b, s, n, h).astype(q_BSNH.dtype)
+
+
+def _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+  if q_BSNH.shape[1] % 2:
+    raise ValueError(f"{q_BSNH.shape[1]} local rows are not the two zigzag chunks of equal length")
+  n = _axis_size(axes)
+  r = jax.lax.axis_index(axes)
+  c = q_BSNH.shape[1] // 2
+  k_BTGH, v_BTGH, pos_BT = (jax.lax.all_gather(a, axes, axis=1, tiled=True) for a in (k_BSGH, v_BSGH, pos_BS))
+  q_BSGRH = _group(q_BSNH, k_BSGH.shape[2])
+
+  def attend(q_start, key_chunk):
+    """Stats of the c queries from local row q_start against natural key chunk `key_chunk`."""
+    # Natural chunk m is the first half of device m's rows if m < n, else the second half of device
+    # 2n-1-m's: gathered rows [2m c, (2m+1) c) or [(4n-1-2m) c, (4n-2m) c).
+    k_start = jnp.where(key_chunk < n, 2 * key_chunk, 4 * n - 1 - 2 * key_chunk) * c
+    rows = lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, c, axis=1)
+    return _block(rows(q_BSGRH, q_start), rows(k_BTGH, k_start), rows(v_BTGH, k_start), rows(pos_BS, q_start),
+                  rows(pos_BT, k_start))
+
+  # Block j is (early, key chunk j) for j <= r, else (late, key chunk j-r-1). As 0 <= r < n, block 0 is
+  # always early and blocks n..2n always late; only blocks 1..n-1 pick their query chunk at run time. The
+  # online softmax does not depend on the order of the merges, so the static blocks go first.
+  early = attend(0, 0)
+  late = attend(c, n - r - 1)
+  for j in range(n + 1, 2 * n + 1):
+    late = _merge(late, attend(c, j - r - 1))
+  for j in range(1, n):
+    is_early = j <= r
+    stats = attend(jnp.where(is_early, 0, c), jnp.where(is_early, j, j - r - 1))
+    merged = _merge(_select(is_early, early, late), stats)
+    early, late = _select(is_early, merged, early), _select(is_early, late, merged)
+  stats = jax.tree.map(lambda e, l: jnp.concatenate([e, l], axis=3), early, late)  # [..., S, (H)]
+  return _finish(stats, q_BSNH)
+
+
+def _select(pred, a, b):
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+  n = _axis_size(axes)
+  shift = [(i, (i + 1) % n) for i in range(n)]
+  q_BSGRH = _group(q_BSNH, k_BSGH.shape[2])
+  block = (k_BSGH, v_BSGH, pos_BS)
+  stats = None
+  for step in range(n):
+    new = _block(q_BSGRH, block[0], block[1], pos_BS, block[2])
+    stats = new if stats is None else _merge(stats, new)
+    if step < n - 1:  # the last block needs no onward transfer
+      block = tuple(jax.lax.ppermute(a, axes, shift) for a in block)
+  return _finish(stats, q_BSNH)
+
+
+def _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+  n = _axis_size(axes)
+  g = k_BSGH.shape[2]
+  if g % n:
+    raise ValueError(f"Ulysses attention splits the {g} local key/value heads over {n} devices: "
+                     "they must divide evenly")
+  to_heads = lambda a: jax.lax.all_to_all(a, axes, 2, 1, tiled=True)  # [B, S/n, X, H] -> [B, S, X/n, H]
+  pos_all = jax.lax.all_gather(pos_BS, axes, axis=1, tiled=True)
+  o_BSNH = causal_attention(to_heads(q_BSNH), to_heads(k_BSGH), to_heads(v_BSGH), pos_all, pos_all)
+  return jax.lax.all_to_all(o_BSNH, axes, 1, 2, tiled=True)
+
+
+# The parallel op models call: the functions above wrapped in shard_map under the active rules.
+
+
+def sequence_order(seq_len: int) -> np.ndarray | None:
+  """The order the sequence must be in for `attention` under the active rules (zigzag over the devices
+  that split the sequence inside attention), or None when it is not split."""
+  ctx = current()
+  if ctx is None:
+    return None
+  n = parallel.axis_size(ctx, parallel.dim_axes(parallel.activation_spec(ctx, _Q), 1))
+  return None if n == 1 else zigzag_order(seq_len, n)
+
+
+def attention(q_BSNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, positions_BS: jax.Array) -> jax.Array:
+  """Causal GQA attention by positions; with the sequence split over devices (`act_attn_seq`), by the
+  config's kind (`parallel.attention`). The sequence must be in `sequence_order`."""
+  ctx = current()
+  if ctx is None:
+    return causal_attention(q_BSNH, k_BSGH, v_BSGH, positions_BS, positions_BS)
+  q_spec = parallel.activation_spec(ctx, _Q)
+  kv_spec = parallel.activation_spec(ctx, ("act_batch", "act_attn_seq", "act_kv_heads", None))
+  pos_spec = parallel.spec_of(parallel.dim_axes(q_spec, 0), parallel.dim_axes(q_spec, 1))
+  axes = parallel.dim_axes(q_spec, 1)
+  kind = ctx.parallel.attention
+
+  def body(q, k, v, pos):
+    return sharded_attention(q, k, v, pos, kind=kind, axis_names=axes)
+
+  return parallel.shard_map(ctx, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec)(
+      q_BSNH, k_BSGH, v_BSGH, positions_BS)
+
+
+_Q = ("act_batch", "act_attn_seq", "act_heads", None)

@@ -1,0 +1,93 @@
+"""Megatron tensor parallelism with sequence-parallel residuals: column- then row-parallel matmuls.
+
+A block (attention, dense MLP, shared experts) is `project_in` -> per-device work -> `project_out`:
+
+    residual x [B, S/(sp*tp), D]  --all-gather S over tp-->  [B, S/sp, D]
+        @ column-parallel weights [D, X/tp]  ->  [B, S/sp, X/tp]       (project_in)
+        ... heads or MLP units are independent, so no communication ...
+        @ row-parallel weight [X/tp, D]  ->  partial sums [B, S/sp, D]
+    --reduce-scatter S over tp-->  residual [B, S/(sp*tp), D]          (project_out)
+
+"tp axes" are the mesh axes the rules split the weights' output units over (`heads`, `kv_heads`, `mlp`);
+the residual stream's sequence is split over those too in `tp_sp` (norms and residual adds then run on a
+1/tp share of the tokens, Megatron's sequence parallelism). Where the residual is not split over the tp
+axes (`megascale` splits heads over `tensor` but the sequence over `expert` and `sequence`), the gather is
+skipped and the reduce-scatter becomes a psum. With no tp axes both ops are local matmuls.
+
+Bytes per device and call (reference tier): project_in all-gathers (tp-1)/tp of the gathered activation;
+project_out reduce-scatters (tp-1)/tp of the [B, S/sp, D] partial sums; the backward pass swaps the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from meshmoe.sharding import parallel
+from meshmoe.sharding.shardings import current
+
+_RESIDUAL = ("act_batch", "act_seq", None)
+
+
+def project_in(x_BSD: jax.Array, weights: Sequence[jax.Array],
+               logical: Sequence[Sequence[str | None]]) -> list[jax.Array]:
+  """[x @ w for w in weights]: each w is [D, ...] with logical names `logical[i]` (first one `embed`);
+  results are [B, S, ...] in x's dtype, split over the tp axes like the weights' output dimensions."""
+  weights = [w.astype(x_BSD.dtype) for w in weights]
+  ctx = current()
+  if ctx is None:
+    return [_matmul_in(x_BSD, w) for w in weights]
+  x_spec = parallel.activation_spec(ctx, _RESIDUAL)
+  w_specs = [parallel.weight_spec(ctx, names) for names in logical]
+  tp_axes = tuple(dict.fromkeys(a for spec in w_specs for a in parallel.all_axes(spec)))
+  seq_axes = parallel.dim_axes(x_spec, 1)
+  gather = parallel.split_suffix(seq_axes, tp_axes, "tensor-parallel all-gather of the sequence")
+  batch_axes = parallel.dim_axes(x_spec, 0)
+  out_specs = [parallel.spec_of(batch_axes, parallel.without(seq_axes, gather),
+                                *(parallel.dim_axes(spec, i) for i in range(1, len(names))))
+               for spec, names in zip(w_specs, logical)]
+
+  def body(x_BSD, *weights):
+    if gather:
+      x_BSD = jax.lax.all_gather(x_BSD, gather, axis=1, tiled=True)
+    return [_matmul_in(x_BSD, w) for w in weights]
+
+  return parallel.shard_map(ctx, body, (x_spec, *w_specs), out_specs)(x_BSD, *weights)
+
+
+def project_out(y: jax.Array, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """y [B, S, ...] @ w [..., D] (logical names `logical`, last one `embed`) -> [B, S, D] in y's dtype,
+  placed like the residual stream."""
+  w = w.astype(y.dtype)
+  ctx = current()
+  if ctx is None:
+    return _matmul_out(y, w)
+  res_spec = parallel.activation_spec(ctx, _RESIDUAL)
+  w_spec = parallel.weight_spec(ctx, logical)
+  tp_axes = parallel.all_axes(w_spec)
+  seq_axes = parallel.dim_axes(res_spec, 1)
+  scatter = parallel.split_suffix(seq_axes, tp_axes, "tensor-parallel reduce-scatter of the sequence")
+  reduce = parallel.without(tp_axes, scatter)
+  y_spec = parallel.spec_of(parallel.dim_axes(res_spec, 0), parallel.without(seq_axes, scatter),
+                            *(parallel.dim_axes(w_spec, i) for i in range(len(logical) - 1)))
+
+  def body(y, w):
+    out_BSD = _matmul_out(y, w)
+    if scatter:
+      out_BSD = jax.lax.psum_scatter(out_BSD, scatter, scatter_dimension=1, tiled=True)
+    if reduce:
+      out_BSD = jax.lax.psum(out_BSD, reduce)
+    return out_BSD
+
+  return parallel.shard_map(ctx, body, (y_spec, w_spec), res_spec)(y, w)
+
+
+def _matmul_in(x_BSD: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.tensordot(x_BSD, w, axes=[[2], [0]])
+
+
+def _matmul_out(y: jax.Array, w: jax.Array) -> jax.Array:
+  contracted = w.ndim - 1
+  return jnp.tensordot(y, w, axes=[list(range(y.ndim - contracted, y.ndim)), list(range(contracted))])

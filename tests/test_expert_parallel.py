@@ -1,0 +1,109 @@
+"""Expert parallelism (sharding/expert_parallel.py) equals the one-device MoE arithmetic on 8 CPU devices.
+
+The reference is dispatch.moe_local on one device, itself checked against the naive per-token reference in
+test_moe.py. Loads are made uneven on purpose: some experts get no tokens, one gets most of them, and some
+assignments are dropped (expert id E), as capacity mode produces.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from meshmoe.config import MeshConfig
+from meshmoe.sharding import dispatch, expert_parallel
+from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.rules import PRESETS, logical_to_spec
+from meshmoe.sharding.shardings import activation_sharding, use_rules
+from tests.tolerances import FP32_MODULE_RTOL, assert_close
+
+B, S, D, F, E, K = 8, 8, 16, 12, 8, 2
+
+LAYOUTS = [
+    ((1, 8, 1, 1), "ep"), ((2, 4, 1, 1), "ep"), ((8, 1, 1, 1), "dp"), ((2, 2, 2, 1), "tp_sp"),
+    ((1, 4, 2, 1), "tp_sp"), ((2, 2, 1, 2), "megascale"), ((1, 2, 2, 2), "megascale"),
+    ((1, 4, 1, 2), "megascale"), ((2, 2, 2, 1), "fsdp"),
+]
+
+
+def _inputs(load: str):
+  keys = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(keys[0], (B, S, D), jnp.float32)
+  if load == "uneven":  # experts 5..7 get nothing, expert 0 most of the first choices
+    first = jnp.where(jax.random.uniform(keys[1], (B, S)) < 0.7, 0, jax.random.randint(keys[2], (B, S), 1, 5))
+    experts = jnp.stack([first, (first + 1) % 5], axis=-1)
+  else:
+    experts = jnp.argsort(jax.random.uniform(keys[1], (B, S, E)), axis=-1)[..., :K]
+  if load == "dropped":  # a third of the assignments dropped by capacity
+    experts = jnp.where(jax.random.uniform(keys[3], (B, S, K)) < 0.33, E, experts)
+  weights = jax.random.uniform(keys[4], (B, S, K), jnp.float32)
+  w_keys = jax.random.split(keys[5], 3)
+  w = dispatch.ExpertWeights(0.3 * jax.random.normal(w_keys[0], (E, D, F)),
+                             0.3 * jax.random.normal(w_keys[1], (E, D, F)),
+                             0.3 * jax.random.normal(w_keys[2], (E, F, D)))
+  return x, experts.astype(jnp.int32), weights, w
+
+
+def _loss(y, cotangent):
+  return jnp.sum(y * cotangent)
+
+
+def _value_and_grads(fn, x, experts, weights, w, cotangent):
+  def f(x, weights, w):
+    return _loss(fn(x, experts, weights, w), cotangent)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, weights, w)
+
+
+def _sharded(sizes, preset):
+  data, expert, tensor, sequence = sizes
+  mesh = make_mesh(MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset),
+                   jax.devices())
+
+  def fn(x, experts, weights, w):
+    with use_rules(mesh, preset):
+      return expert_parallel.moe_ffn(x, experts, weights, w, gemm_impl="blocked")
+
+  def place(x, experts, weights, w):
+    with use_rules(mesh, preset):
+      tokens = activation_sharding(("act_batch", "act_seq", None))
+    names = {"gate_EDF": ("exp", "embed", "exp_mlp"), "up_EDF": ("exp", "embed", "exp_mlp"),
+             "down_EFD": ("exp", "exp_mlp", "embed")}
+    w = dispatch.ExpertWeights(*(
+        jax.device_put(getattr(w, n), NamedSharding(mesh, logical_to_spec(axes, PRESETS[preset].params)))
+        for n, axes in names.items()))
+    return (jax.device_put(x, tokens), jax.device_put(experts, tokens), jax.device_put(weights, tokens), w)
+
+  return fn, place, mesh
+
+
+@pytest.mark.parametrize("load", ["balanced", "uneven", "dropped"])
+@pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
+def test_expert_parallel_matches_one_device(sizes, preset, load):
+  x, experts, weights, w = _inputs(load)
+  cotangent = jax.random.normal(jax.random.key(9), x.shape)
+  local = lambda x, e, g, w: dispatch.moe_local(x, e, g, w, "blocked")
+  ref_value, ref_grads = _value_and_grads(local, x, experts, weights, w, cotangent)
+  fn, place, _ = _sharded(sizes, preset)
+  value, grads = _value_and_grads(fn, *place(x, experts, weights, w), cotangent)
+  assert_close(value, ref_value, FP32_MODULE_RTOL, "output . cotangent")
+  for name, got, want in zip(("x", "weights", "w"), grads, ref_grads):
+    for leaf_got, leaf_want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert_close(leaf_got, leaf_want, FP32_MODULE_RTOL, f"grad {name}")
+
+
+def test_experts_receiving_no_tokens_get_zero_gradient():
+  x, experts, weights, w = _inputs("uneven")
+  fn, place, _ = _sharded((1, 8, 1, 1), "ep")
+  _, (_, _, grad_w) = _value_and_grads(fn, *place(x, experts, weights, w), jnp.ones_like(x))
+  assert np.all(np.asarray(grad_w.gate_EDF)[5:] == 0)
+  assert np.any(np.asarray(grad_w.gate_EDF)[0] != 0)
+
+
+@pytest.mark.parametrize("sizes,preset", [((1, 8, 1, 1), "ep"), ((2, 2, 1, 2), "megascale")])
+def test_dispatch_is_all_to_all_not_a_gather_of_the_tokens(sizes, preset):
+  x, experts, weights, w = _inputs("balanced")
+  fn, place, _ = _sharded(sizes, preset)
+  hlo = jax.jit(fn).lower(*place(x, experts, weights, w)).compile().as_text()
+  assert "all-to-all" in hlo
+  assert "all-gather" not in hlo, "the expert-parallel dispatch must not gather tokens"

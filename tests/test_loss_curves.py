@@ -1,0 +1,80 @@
+"""Twenty training steps give the same loss curve on every preset and mesh layout as on one device.
+
+The full train step runs (AdamW, clipping, the expert-bias update, grad accumulation on one layout), so a
+wrong gradient anywhere shows up as a curve that drifts away from the single-device one.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from meshmoe import train_step
+from meshmoe.config import MeshConfig, ParallelConfig
+from meshmoe.sharding.mesh import make_mesh
+from tests.test_model_sharded import LAYOUTS, small_config
+from tests.tolerances import FP32_MODEL_RTOL, assert_close
+
+STEPS = 20
+
+
+def _config(**overrides):
+  config = small_config(expert_bias=True)
+  config.train.steps = STEPS
+  config.optimizer.warmup_steps = 2
+  for name, value in overrides.items():
+    setattr(config.train, name, value)
+  return config
+
+
+def _batches(config):
+  rng = np.random.default_rng(11)
+  b, s = config.train.global_batch_size, config.train.seq_len
+  for _ in range(STEPS):
+    tokens = rng.integers(0, config.model.vocab_size, (b, s + 1), dtype=np.int32)
+    yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((b, s), np.float32)}
+
+
+def _loss_curve(config, devices) -> np.ndarray:
+  config.validate(len(devices))
+  mesh = make_mesh(config.mesh, devices)
+  trainer, state = train_step.create(config, mesh)
+  losses = []
+  for batch in _batches(config):
+    state, metrics = trainer.train_step(state, train_step.place_batch(batch, config, mesh))
+    losses.append(float(metrics["loss"]))
+  return np.array(losses)
+
+
+_REFERENCE = {}
+
+
+def _reference(accum: int) -> np.ndarray:
+  if accum not in _REFERENCE:
+    config = _config(grad_accum_steps=accum)
+    config.mesh = MeshConfig(data=1, preset="dp")
+    _REFERENCE[accum] = _loss_curve(config, jax.devices()[:1])
+  return _REFERENCE[accum]
+
+
+CURVE_LAYOUTS = [(sizes, preset, "allgather") for sizes, preset in LAYOUTS] + [
+    ((2, 2, 1, 2), "megascale", "ring"), ((2, 1, 2, 2), "tp_sp", "ring")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,attention", CURVE_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{a}" for s, p, a in CURVE_LAYOUTS])
+def test_loss_curve_matches_single_device(sizes, preset, attention):
+  reference = _reference(1)
+  assert reference[-1] < reference[0] - 0.1, "the reference run must learn for the comparison to mean much"
+  config = _config()
+  data, expert, tensor, sequence = sizes
+  config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
+  config.parallel = ParallelConfig(attention=attention)
+  assert_close(_loss_curve(config, jax.devices()), reference, FP32_MODEL_RTOL, "loss curve")
+
+
+@pytest.mark.slow
+def test_loss_curve_with_gradient_accumulation_on_megascale():
+  config = _config(grad_accum_steps=2)
+  config.mesh = MeshConfig(data=2, expert=2, tensor=1, sequence=2, preset="megascale")
+  assert_close(_loss_curve(config, jax.devices()), _reference(2), FP32_MODEL_RTOL, "loss curve")
