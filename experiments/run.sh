@@ -7,13 +7,20 @@
 #   bash experiments/run.sh bench [flags]   step time and compiled/model FLOP ratio of the default config
 #
 # Environment: MESHMOE_PYTHON=/path/to/python3.12 picks the interpreter; MESHMOE_VENV moves the venv
-# (default: .venv in the repository root); MESHMOE_EXTRAS adds pip extras (e.g. "test,deviceless").
+# (default: .venv, and .venv-test for the tests); MESHMOE_EXTRAS sets the pip extras (default "test", and
+# "test,deviceless" for the tests). The tests get their own venv because the deviceless extra (the CUDA
+# PJRT plugin, to compile for GPUs without one) logs CUDA-driver warnings on every start of a CPU run.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
-venv="${MESHMOE_VENV:-$repo/.venv}"
-extras="${MESHMOE_EXTRAS:-test}"
+if [ "${1:-}" = test ]; then
+  venv="${MESHMOE_VENV:-$repo/.venv-test}"
+  extras="${MESHMOE_EXTRAS:-test,deviceless}"
+else
+  venv="${MESHMOE_VENV:-$repo/.venv}"
+  extras="${MESHMOE_EXTRAS:-test}"
+fi
 
 python_ok() { "$1" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 

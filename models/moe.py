@@ -26,13 +26,6 @@ class MoEStats:
 jax.tree_util.register_dataclass(MoEStats)
 
 
-def resolve_gemm_impl(requested: str) -> str:
-  """'auto' -> 'blocked' on CPU (ragged_dot is dense there), 'ragged_dot' on accelerators."""
-  if requested != "auto":
-    return requested
-  return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
-
-
 class MoEBlock(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -60,7 +53,7 @@ class MoEBlock(nnx.Module):
       dropped_fraction = 1.0 - jnp.mean(kept_BSK.astype(jnp.float32))
     w = dispatch.ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
     y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w,
-                                    gemm_impl=resolve_gemm_impl(self.cfg.gemm_impl),
+                                    gemm_impl=self.cfg.gemm_impl,
                                     block_rows=self.cfg.gemm_block_rows)
     y_BSD = constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))
     if self.shared is not None:

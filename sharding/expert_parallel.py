@@ -37,8 +37,11 @@ _TOKENS = ("act_batch", "act_seq", None)
 def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w: ExpertWeights, *,
             gemm_impl: str, block_rows: int = 0) -> jax.Array:
   """sum_k weights_BSK[..., k] * SwiGLU_{experts_BSK[..., k]}(x_BSD); assignments with expert id E
-  (the number of experts) contribute nothing."""
+  (the number of experts) contribute nothing. `gemm_impl` "auto" picks by the devices' platform."""
   ctx = current()
+  platform = jax.default_backend() if ctx is None else ctx.mesh.devices.flat[0].platform
+  if gemm_impl == "auto":  # ragged_dot is dense over all groups on CPU (dispatch.py)
+    gemm_impl = "blocked" if platform == "cpu" else "ragged_dot"
   if ctx is None:
     return dispatch.moe_local(x_BSD, experts_BSK, weights_BSK, w, gemm_impl, block_rows)
   x_spec = parallel.activation_spec(ctx, _TOKENS)
@@ -49,7 +52,7 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   token_dim, gather = _gathered_token_dim(x_spec, width_axes)
   reduce = parallel.without(width_axes, gather)
   ep = parallel.axis_size(ctx, expert_axes)
-  ragged = ctx.mesh.devices.flat[0].platform != "cpu"
+  ragged = platform != "cpu"  # XLA:CPU has no ragged_all_to_all
   num_experts = w.num_experts
 
   def body(x_BSD, experts_BSK, weights_BSK, w):

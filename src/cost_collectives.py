@@ -103,6 +103,7 @@ def collective_costs(config: Config, num_devices: int) -> list[CollectiveCost]:
     _moe(lay, add, c, micro, residual, batch_axes, seq_axes)
   _weight_gradients(lay, costs)
   _weight_gathers(lay, costs)
+  _embedding_lookup(lay, costs, micro, batch_axes, seq_axes)
   return costs
 
 
@@ -221,6 +222,19 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
   for op, nbytes in (("weights", used_total), ("zero1_update", update_total)):
     if nbytes:
       costs.append(CollectiveCost(op, "all-gather", 0, nbytes))
+
+
+def _embedding_lookup(lay: _Layout, costs: list[CollectiveCost], micro: int, batch_axes, seq_axes) -> None:
+  """A table split along D (fsdp) is looked up locally, [tokens, D/g], and GSPMD all-to-alls the result
+  to the token split, [tokens/g, D] (float32), and back in the backward pass."""
+  m, t = lay.config.model, lay.config.train
+  table_axes = lay.axes(("vocab", "embed"), lay.preset.params)[1]
+  token_axes = set(batch_axes) | set(seq_axes)
+  g = lay.size(tuple(a for a in table_axes if a in token_axes))
+  tokens = micro * t.seq_len / lay.size(tuple(token_axes))
+  if g > 1:
+    nbytes = 2 * t.grad_accum_steps * moved_bytes("all-to-all", g, tokens * m.embed_dim * 4)
+    costs.append(CollectiveCost("embedding", "all-to-all", g, nbytes))
 
 
 def bytes_by_kind(costs: list[CollectiveCost]) -> dict[str, float]:

@@ -47,7 +47,7 @@ def memory_per_device(config: Config, num_devices: int) -> MemoryCost:
   preset = get_preset(config.mesh.preset)
   abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
   params = nnx.state(abstract, nnx.Param)
-  shapes = jax.tree.leaves(jax.tree.map(lambda v: v.value.shape, params, is_leaf=_is_variable),
+  shapes = jax.tree.leaves(jax.tree.map(lambda v: v.get_value().shape, params, is_leaf=_is_variable),
                            is_leaf=lambda x: isinstance(x, tuple))
   names = jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
 

@@ -133,6 +133,7 @@ def test_non_negative_loss_weights(field, value):
     ("mesh.preset", "pp", ALL_PRESETS),
     ("mesh.preset", "", ALL_PRESETS),
     ("parallel.impl", "pallas", "one of 'reference'"),
+    ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
 ]])
 def test_choices_list_what_is_allowed(field, value, allowed):
   expect_error(make(**{field: value}), field, value, allowed)
@@ -275,6 +276,8 @@ WORDS = {
     "vocab": "the vocabulary", "mlp": "the dense MLP width", "exp_mlp": "the expert MLP width",
     "act_attn_seq": "the sequence inside attention", "act_seq": "the sequence between blocks",
     "act_batch": "the batch", "embed": "the model dimension",
+    "chunks": "the sequence into an early and a late chunk per device for attention",
+    "ulysses_kv": "the key/value heads for Ulysses attention (parallel.attention='ulysses')",
 }
 
 
@@ -337,6 +340,15 @@ def _split(preset: str, dim: str, axes: str) -> str:
         {"train.seq_len": 102}, MeshConfig(data=2, expert=2, sequence=2, preset="megascale"),
         "train.seq_len", 102, "a multiple of 4: " + _split("megascale", "act_attn_seq", "expert=2 x sequence=2"),
         id="megascale-seq-expert"),
+    pytest.param(  # context-parallel attention cuts the sequence into 2 chunks per device: 36 % 8 != 0
+        {"train.seq_len": 36}, MeshConfig(data=2, expert=2, sequence=2, preset="megascale"),
+        "train.seq_len", 36, "a multiple of 8: " + _split("megascale", "chunks", "expert=2 x sequence=2"),
+        id="megascale-zigzag-chunks"),
+    pytest.param(  # Ulysses splits the 2 key/value heads over the 4 sequence devices
+        {"parallel.attention": "ulysses"}, MeshConfig(data=2, expert=2, sequence=2, preset="megascale"),
+        "model.num_kv_heads", 2,
+        "a multiple of 4: " + _split("megascale", "ulysses_kv", "expert=2 x sequence=2 x tensor=1"),
+        id="megascale-ulysses-kv-heads"),
     pytest.param(
         {"train.global_batch_size": 12}, MeshConfig(preset="dp"),
         "train.global_batch_size", 12,

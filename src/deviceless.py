@@ -1,0 +1,38 @@
+"""Meshes of GPUs this machine does not have: compile (not run) a program for them, deviceless.
+
+The CUDA PJRT plugin (pip extra `deviceless`) describes a GPU topology from XLA's target spec of the GPU
+(`gpu_specs/<target>.txtpb`: core count, shared memory, memory size, compute capability), with no CUDA
+libraries and no GPU. `jax.jit(f).lower(*abstract_args).compile()` on such a mesh gives the scheduled
+GPU HLO, its `memory_analysis()` and `cost_analysis()`. Run under JAX_PLATFORMS=cpu.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.experimental import topologies
+from jax.sharding import Mesh
+
+TARGETS = ("h100_sxm",)
+
+
+def gpu_mesh(shape: Sequence[int], axis_names: Sequence[str], target: str = "h100_sxm",
+             num_hosts: int = 1) -> Mesh:
+  """A mesh of prod(shape) GPUs of `target` spread over `num_hosts` hosts, with Auto axis types."""
+  if target not in TARGETS:
+    raise ValueError(f"unknown GPU target {target!r}; known: {', '.join(TARGETS)}")
+  num_devices = math.prod(shape)
+  if num_devices % num_hosts:
+    raise ValueError(f"{num_devices} devices do not split evenly over {num_hosts} hosts")
+  spec = importlib.resources.files("meshmoe").joinpath(f"gpu_specs/{target}.txtpb").read_text()
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=spec,
+                                            topology=f"1x{num_hosts}x{num_devices // num_hosts}")
+  except Exception as error:  # the plugin missing or too old: say how to get it
+    raise RuntimeError("deviceless GPU compilation needs the CUDA PJRT plugin: "
+                       "pip install -e '.[deviceless]' (no GPU or CUDA libraries needed)") from error
+  devices = topologies.make_mesh(topology, tuple(shape), tuple(axis_names)).devices
+  return Mesh(devices, tuple(axis_names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

@@ -1,0 +1,96 @@
+"""The compiled whole-model program of `ep` and `megascale` moves tokens with all-to-alls, never by
+gathering hidden states: on 8 CPU devices (padded all-to-all) and compiled deviceless for 8 H100s
+(ragged-all-to-all; needs the `deviceless` extra, which the test command installs)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from meshmoe import deviceless, hlo_collectives
+from meshmoe.config import MeshConfig
+from meshmoe.models.decoder import Transformer, lm_loss
+from meshmoe.sharding import dispatch, shardings
+from meshmoe.sharding.mesh import make_mesh
+from tests.test_model_sharded import small_config
+
+LAYOUTS = [((1, 8, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"), ((1, 4, 2, 1), "megascale")]
+AXES = ("data", "expert", "tensor", "sequence")
+
+
+def _token_set_collectives(hlo: str, config) -> list[str]:
+  """Collectives that assemble the hidden states of the whole batch on a device: an all-gather or an
+  all-reduce (GSPMD's gather in disguise: masked copies summed) over more than one device, with a float
+  result shaped [B, S, D],
+  [B*S, D] or [B*S*K, D] (every token or every assignment of the global batch)."""
+  b, s, d = config.train.global_batch_size, config.train.seq_len, config.model.embed_dim
+  shapes = {f"{b},{s},{d}", f"{b * s},{d}", f"{b * s * config.model.moe.top_k},{d}"}
+  pattern = re.compile(r"= \(?[bf]\w*\[([\d,]+)\][^=]* (?:all-gather|all-reduce)(?:-start)?\(")
+  return [line.strip()[:160] for line in hlo.splitlines()
+          if (m := pattern.search(line)) and m[1] in shapes
+          and hlo_collectives.collectives(line, 8)[0].group_size > 1  # XLA leaves some 1-device no-ops
+          # A weight's gradient summed over data parallelism (the transpose of a shard_map input that is
+          # replicated) can share the shape by coincidence: it is no token traffic.
+          and "psum_invariant" not in line]
+
+
+def _compiled_loss_and_grad(config, mesh) -> str:
+  """HLO text of d(loss)/d(params), from abstract parameters and batch placed on `mesh`."""
+  abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
+  graphdef, params, others = nnx.split(abstract, nnx.Param, ...)
+  param_shardings = shardings.param_shardings(params, mesh, config.mesh.preset)
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
+                        param_shardings, is_leaf=is_variable)
+  batch = shardings.batch_sharding(mesh, config.mesh.preset)
+  tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len), jnp.int32, sharding=batch)
+
+  def loss(params, others, inputs, targets):
+    with shardings.use_rules(mesh, config.mesh.preset, config.parallel):
+      return lm_loss(nnx.merge(graphdef, params, others), inputs, targets)[0]
+
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  replicated = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)), others,
+                            is_leaf=is_variable)
+  return jax.jit(jax.grad(loss)).lower(params, replicated, tokens, tokens).compile().as_text()
+
+
+def _config(sizes, preset):
+  config = small_config()
+  config.mesh = MeshConfig(**dict(zip(AXES, sizes)), preset=preset)
+  return config.validate(8)
+
+
+@pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
+def test_cpu_program_uses_all_to_all_and_gathers_no_hidden_states(sizes, preset):
+  config = _config(sizes, preset)
+  hlo = _compiled_loss_and_grad(config, make_mesh(config.mesh, jax.devices()))
+  assert re.search(r" all-to-all\(", hlo)
+  assert not _token_set_collectives(hlo, config)
+
+
+@pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
+def test_h100_program_uses_ragged_all_to_all_and_gathers_no_hidden_states(sizes, preset):
+  config = _config(sizes, preset)
+  hlo = _compiled_loss_and_grad(config, deviceless.gpu_mesh(sizes, AXES))
+  assert "ragged-all-to-all" in hlo
+  assert not _token_set_collectives(hlo, config)
+
+
+def test_the_detector_finds_gspmds_gather_of_the_tokens():
+  """The check above can fail: the one-device dispatch (a global sort) left to GSPMD gathers the tokens."""
+  config = _config((8, 1, 1, 1), "dp")
+  mesh = make_mesh(config.mesh, jax.devices())
+  b, s, d, k = config.train.global_batch_size, config.train.seq_len, config.model.embed_dim, 2
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXES))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x = jax.ShapeDtypeStruct((b, s, d), jnp.float32, sharding=split)
+  experts = jax.ShapeDtypeStruct((b, s, k), jnp.int32, sharding=split)
+  weights = jax.ShapeDtypeStruct((b, s, k), jnp.float32, sharding=split)
+  w = dispatch.ExpertWeights(*(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=whole)
+                               for shape in [(8, d, 16), (8, d, 16), (8, 16, d)]))
+  global_view = lambda x, e, g, w: dispatch.moe_local(x, e, g, w, "blocked")
+  hlo = jax.jit(global_view).lower(x, experts, weights, w).compile().as_text()
+  assert _token_set_collectives(hlo, config)
