@@ -59,6 +59,10 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
     if gather:
       x_BSD, experts_BSK, weights_BSK = (jax.lax.all_gather(a, gather, axis=token_dim, tiled=True)
                                          for a in (x_BSD, experts_BSK, weights_BSK))
+    if reduce:
+      # Tokens are the same on every width slice; marking them as differing here puts the backward's sum
+      # over those slices on the [B, S, D] input instead of on the padded dispatch buffers inside.
+      x_BSD, weights_BSK = (jax.lax.pcast(a, reduce, to="varying") for a in (x_BSD, weights_BSK))
     y_BSD = _moe_expert_parallel(x_BSD, experts_BSK, weights_BSK, w, num_experts, expert_axes, ep,
                                  ragged, gemm_impl, block_rows)
     if gather:
