@@ -49,9 +49,15 @@ def project_in(x_BSD: jax.Array, weights: Sequence[jax.Array],
                                 *(parallel.dim_axes(spec, i) for i in range(1, len(names))))
                for spec, names in zip(w_specs, logical)]
 
+  replicated = parallel.without(tp_axes, gather)
+
   def body(x_BSD, *weights):
     if gather:
       x_BSD = jax.lax.all_gather(x_BSD, gather, axis=1, tiled=True)
+    if replicated:
+      # x is the same on every tp device here. Marking it as differing once, before the matmuls, makes
+      # the backward sum the matmuls' input gradients locally and then psum once, not once per weight.
+      x_BSD = jax.lax.pcast(x_BSD, replicated, to="varying")
     return [_matmul_in(x_BSD, w) for w in weights]
 
   return parallel.shard_map(ctx, body, (x_spec, *w_specs), out_specs)(x_BSD, *weights)

@@ -173,12 +173,16 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
       (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 1, 4, False),
       (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
   ]
+  # Devices that differ only along axes the tokens are not split over (megascale's `tensor`) compute the
+  # same gradient: the sum runs over the token axes that do not also split the weight.
+  token_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
   totals: dict[int, float] = collections.defaultdict(float)
   for names, elements, layers, itemsize, in_op in weights:
     if not elements or not layers:
       continue
-    shards = lay.size(tuple(a for dim in lay.weight(*names) for a in dim))
-    group = lay.num_devices // shards
+    weight_axes = {a for dim in lay.weight(*names) for a in dim}
+    shards = lay.size(tuple(weight_axes))
+    group = lay.size(tuple(token_axes - weight_axes))
     repeats = t.grad_accum_steps if in_op else 1
     totals[group] += repeats * layers * moved_bytes("all-reduce", group, elements * itemsize / shards)
   for group, nbytes in totals.items():
