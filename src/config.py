@@ -16,7 +16,7 @@ from typing import Any
 MESH_AXES = ("data", "expert", "tensor", "sequence")
 PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
 # Parallel-op tiers (DESIGN.md). Only the tiers that exist are accepted.
-IMPLS = ("reference",)
+IMPLS = ("reference", "xla")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
@@ -94,11 +94,17 @@ class MeshConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
-  impl: str = "reference"  # parallel-op tier (DESIGN.md: reference, then xla and pallas)
+  # Parallel-op tier (DESIGN.md): "reference" (plain collectives under shard_map) or "xla" (decomposed so
+  # that XLA's asynchronous collectives overlap independent compute: ring collective matmuls, a chunked
+  # MoE dispatch/GEMM/combine pipeline, ring attention that overlaps each transfer with a block).
+  impl: str = "reference"
   # Attention over a sequence split across devices (sharding/context_parallel.py): "allgather" (gather
   # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
   # from sequence-split to head-split; needs the KV heads divisible by the sequence split).
   attention: str = "allgather"
+  # impl="xla": each device's MoE tokens go through dispatch -> expert GEMM -> combine in this many
+  # chunks, so one chunk's all-to-alls overlap another chunk's GEMM. 1 turns the pipeline off.
+  moe_chunks: int = 2
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -183,6 +189,7 @@ class Config:
     _validate_mesh(self.mesh)
     _check_choice("parallel.impl", self.parallel.impl, IMPLS)
     _check_choice("parallel.attention", self.parallel.attention, ATTENTION_KINDS)
+    _check_positive_int("parallel.moe_chunks", self.parallel.moe_chunks)
     if num_devices is not None:
       from meshmoe.sharding import rules  # lazy: sharding imports this module
 
