@@ -2,6 +2,11 @@
 
 Layer i is dense (SwiGLU of width `mlp_dim`) when i < `num_dense_layers`, else an MoE block; with pre-norm
 residual blocks: x += attn(norm(x)); x += ffn(norm(x)).
+
+Layers of one kind are a `LayerStack`: their parameters stacked along a leading `layers` dimension and run
+by a scan. The compiled program holds one layer whatever the depth (a 61-layer model compiles as fast as a
+2-layer one), and the loop is what XLA pipelines: with the GPU flag presets (meshmoe.xla_flags) the FSDP
+all-gather of layer i+1's weights runs during layer i.
 """
 
 from __future__ import annotations
@@ -42,6 +47,35 @@ class DecoderLayer(nnx.Module):
     return constrain(x_BSD + y_BSD, _RESIDUAL), stats
 
 
+class LayerStack(nnx.Module):
+  """`count` decoder layers of one kind with parameters stacked on a leading `layers` dimension."""
+
+  def __init__(self, cfg: ModelConfig, dense: bool, count: int, *, rngs: nnx.Rngs):
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0, axis_size=count)
+    def create(rngs: nnx.Rngs) -> DecoderLayer:
+      return DecoderLayer(cfg, dense, rngs=rngs)
+
+    self.layer = create(rngs)
+    for _, variable in nnx.iter_graph(self.layer):
+      if isinstance(variable, nnx.Variable):
+        variable.set_metadata(logical_axes=("layers", *variable.get_metadata()["logical_axes"]))
+    self.remat = cfg.remat
+
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+    """Runs the layers in order; MoE statistics come back stacked, one row per layer."""
+
+    # A plain lax.scan over the split state: the forward pass reads the variables and mutates none, and
+    # nnx.scan would refuse variables that come from an outer trace (the selection bias in a train step).
+    graphdef, stacked = nnx.split(self.layer)
+
+    def one_layer(x_BSD, state):
+      return _remat(self.remat, nnx.merge(graphdef, state), x_BSD, positions_BS)
+
+    return jax.lax.scan(one_layer, x_BSD, stacked)
+
+
 @dataclasses.dataclass
 class ModelAux:
   aux_loss: jax.Array  # load-balancing loss, mean over MoE layers
@@ -58,8 +92,10 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = Embed(cfg.vocab_size, cfg.embed_dim, std=cfg.init_std, rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, i < cfg.num_dense_layers, rngs=rngs)
-                            for i in range(cfg.num_layers)])
+    num_moe = cfg.num_layers - cfg.num_dense_layers
+    self.dense_layers = (LayerStack(cfg, True, cfg.num_dense_layers, rngs=rngs)
+                         if cfg.num_dense_layers else None)
+    self.moe_layers = LayerStack(cfg, False, num_moe, rngs=rngs) if num_moe else None
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     self.unembed_DV = (None if cfg.tie_embeddings
                        else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std))
@@ -71,11 +107,11 @@ class Transformer(nnx.Module):
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL)
-    stats = []
-    for layer in self.layers:
-      x_BSD, layer_stats = _remat(self.cfg.remat, layer, x_BSD, positions_BS)
-      if layer_stats is not None:
-        stats.append(layer_stats)
+    if self.dense_layers is not None:
+      x_BSD, _ = self.dense_layers(x_BSD, positions_BS)
+    stats = None
+    if self.moe_layers is not None:
+      x_BSD, stats = self.moe_layers(x_BSD, positions_BS)
     x_BSD = self.final_norm(x_BSD).astype(jnp.float32)
     if self.unembed_DV is None:
       logits_BSV = self.embed.attend(x_BSD)
@@ -86,11 +122,9 @@ class Transformer(nnx.Module):
 
   def update_expert_bias(self, expert_load_LE: jax.Array) -> None:
     """Aux-loss-free balancing: moves each MoE layer's selection bias from that layer's expert load."""
-    moe_layers = [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoEBlock)]
-    for i, block in enumerate(moe_layers):
-      bias = block.router.bias_E
-      if bias is not None:
-        bias[...] = update_expert_bias(bias[...], expert_load_LE[i], self.cfg.moe.expert_bias_update_rate)
+    bias_LE = None if self.moe_layers is None else self.moe_layers.layer.ffn.router.bias_E
+    if bias_LE is not None:
+      bias_LE[...] = update_expert_bias(bias_LE[...], expert_load_LE, self.cfg.moe.expert_bias_update_rate)
 
 
 def _remat(policy: str, layer: DecoderLayer, x_BSD: jax.Array, positions_BS: jax.Array):
@@ -101,16 +135,13 @@ def _remat(policy: str, layer: DecoderLayer, x_BSD: jax.Array, positions_BS: jax
   return nnx.remat(lambda layer, x, positions: layer(x, positions), policy=saveable)(layer, x_BSD, positions_BS)
 
 
-def _collect(stats: list[MoEStats], num_experts: int) -> ModelAux:
-  if not stats:
+def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
+  """Means of the per-layer router losses; loads and drops stay per layer ([L, E], [L])."""
+  if stats is None:
     zero = jnp.zeros((), jnp.float32)
     return ModelAux(zero, zero, jnp.zeros((0, num_experts)), jnp.zeros((0,)))
-  return ModelAux(
-      aux_loss=jnp.mean(jnp.stack([s.aux_loss for s in stats])),
-      z_loss=jnp.mean(jnp.stack([s.z_loss for s in stats])),
-      expert_load_LE=jnp.stack([s.load_E for s in stats]),
-      dropped_fraction_L=jnp.stack([s.dropped_fraction for s in stats]),
-  )
+  return ModelAux(aux_loss=jnp.mean(stats.aux_loss), z_loss=jnp.mean(stats.z_loss),
+                  expert_load_LE=stats.load_E, dropped_fraction_L=stats.dropped_fraction)
 
 
 def lm_loss(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,

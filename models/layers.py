@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.sharding import tensor_parallel
+from meshmoe.sharding.dispatch import swiglu_hidden
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], logical_axes: Sequence[str | None], std: float) -> nnx.Param:
@@ -72,4 +73,4 @@ class SwiGLU(nnx.Module):
     # Column- then row-parallel under tensor parallelism (sharding/tensor_parallel.py).
     gate_BSF, up_BSF = tensor_parallel.project_in(x_BSD, [self.gate_DF[...], self.up_DF[...]],
                                                   [("embed", "mlp")] * 2)
-    return tensor_parallel.project_out(jax.nn.silu(gate_BSF) * up_BSF, self.down_FD[...], ("mlp", "embed"))
+    return tensor_parallel.project_out(swiglu_hidden(gate_BSF, up_BSF), self.down_FD[...], ("mlp", "embed"))

@@ -76,5 +76,6 @@ class Router(nnx.Module):
 
 
 def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
-  """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones."""
-  return bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)
+  """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded ones. Leading
+  dimensions (layers) are independent."""
+  return bias_E + rate * jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)

@@ -62,11 +62,19 @@ def grouped_swiglu(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, impl:
   return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted, unique_indices=True)
 
 
+@jax.checkpoint
+def swiglu_hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) * up, recomputed in the backward pass from gate and up: autodiff would otherwise keep
+  sigmoid(gate) and silu(gate) too, two more [rows, F] buffers per layer (the largest activations of an
+  MoE layer), for elementwise work that costs nothing to redo."""
+  return jax.nn.silu(gate) * up
+
+
 def _ragged_swiglu(x_RD, sizes_E, w: ExpertWeights) -> jax.Array:
   dtype = x_RD.dtype
   gate = jax.lax.ragged_dot(x_RD, w.gate_EDF.astype(dtype), sizes_E)
   up = jax.lax.ragged_dot(x_RD, w.up_EDF.astype(dtype), sizes_E)
-  return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.down_EFD.astype(dtype), sizes_E)
+  return jax.lax.ragged_dot(swiglu_hidden(gate, up), w.down_EFD.astype(dtype), sizes_E)
 
 
 def _blocked_swiglu(x_RD, order_R, sorted_expert_R, sizes_E, w: ExpertWeights, rows: int) -> jax.Array:
@@ -94,7 +102,7 @@ def _blocked_swiglu(x_RD, order_R, sorted_expert_R, sizes_E, w: ExpertWeights, r
   x_MPD = x_PD.reshape(num_tiles, rows, d)
   gate = jnp.einsum("mpd,mdf->mpf", x_MPD, w.gate_EDF[expert_M].astype(dtype))
   up = jnp.einsum("mpd,mdf->mpf", x_MPD, w.up_EDF[expert_M].astype(dtype))
-  y_MPD = jnp.einsum("mpf,mfd->mpd", jax.nn.silu(gate) * up, w.down_EFD[expert_M].astype(dtype))
+  y_MPD = jnp.einsum("mpf,mfd->mpd", swiglu_hidden(gate, up), w.down_EFD[expert_M].astype(dtype))
   return jnp.take(y_MPD.reshape(num_tiles * rows, d), slot_R, axis=0, mode="fill", fill_value=0)
 
 

@@ -37,8 +37,8 @@ ALL_AXES = ("data", "expert", "tensor", "sequence")
 
 # Logical dimension names, highest precedence first.
 PRIORITY = (
-    # parameters
-    "exp", "vocab", "heads", "kv_heads", "mlp", "exp_mlp", "embed", "head_dim", "norm",
+    # parameters ("layers": the stacked dimension of a LayerStack; no preset splits it)
+    "layers", "exp", "vocab", "heads", "kv_heads", "mlp", "exp_mlp", "embed", "head_dim", "norm",
     # activations
     "act_exp", "act_tokens", "act_batch", "act_attn_seq", "act_seq", "act_heads", "act_kv_heads", "act_mlp",
     "act_exp_mlp", "act_vocab", "act_embed", "act_head_dim",

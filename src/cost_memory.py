@@ -8,8 +8,8 @@
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
   Per layer, the intermediates are counted in units of this device's residual block [B, S, D]
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
-  and the MoE dispatch buffers (the [ep*A, D] receive buffer, its tiled copy and the [rows, F] hidden
-  units), which dominate at small sizes.
+  and the MoE dispatch buffers (the [ep*A, D] receive buffer, its tiled copy, the [rows, F] gate, up and
+  hidden units: silu(gate) is recomputed, see dispatch.swiglu_hidden), which dominate at small sizes.
 The compiled step also holds the batch, temporary buffers XLA schedules between ops and the logits;
 the logits [B, S, V] in float32 and their gradient are counted, the rest is not.
 """
@@ -42,7 +42,7 @@ class MemoryCost:
     return self.params + self.gradients + self.optimizer + self.activations
 
 
-def memory_per_device(config: Config, num_devices: int) -> MemoryCost:
+def memory_per_device(config: Config, num_devices: int, platform: str = "cpu") -> MemoryCost:
   sizes = resolve_mesh_sizes(config.mesh, num_devices)
   preset = get_preset(config.mesh.preset)
   abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
@@ -58,10 +58,10 @@ def memory_per_device(config: Config, num_devices: int) -> MemoryCost:
   param_bytes = placed_bytes(preset.params)
   return MemoryCost(params=param_bytes, gradients=param_bytes,
                     optimizer=2 * placed_bytes(preset.optimizer_rules()),
-                    activations=_activation_bytes(config, sizes, preset))
+                    activations=_activation_bytes(config, sizes, preset, platform))
 
 
-def _activation_bytes(config: Config, sizes, preset) -> float:
+def _activation_bytes(config: Config, sizes, preset, platform: str) -> float:
   m, t = config.model, config.train
   c = jnp.dtype(m.dtype).itemsize
   acts = preset.activations
@@ -69,7 +69,7 @@ def _activation_bytes(config: Config, sizes, preset) -> float:
   tokens = micro * t.seq_len / _shards(logical_to_spec(("act_batch", "act_seq"), acts), sizes)
   residual = tokens * m.embed_dim * c
   attention, qkvo = _attention_layer(config, sizes, preset, residual)
-  moe_layer, moe_transient = _moe_layer(config, sizes, preset, tokens, residual)
+  moe_layer, moe_transient = _moe_layer(config, sizes, preset, tokens, residual, platform)
   mlp_width = m.mlp_dim / _shards(logical_to_spec(("mlp",), preset.params), sizes)
   dense_layer = 2 * residual + tokens * 3 * mlp_width * c
   num_moe = m.num_layers - m.num_dense_layers
@@ -103,12 +103,21 @@ def _attention_layer(config: Config, sizes, preset, residual: float) -> tuple[fl
   return 2 * residual + qkvo + probs + gathered_kv, qkvo
 
 
-def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float) -> tuple[float, float]:
-  """(bytes one MoE layer keeps, bytes live only while its backward runs)."""
+def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float,
+               platform: str) -> tuple[float, float]:
+  """(bytes one MoE layer keeps for its backward pass, bytes live only at the backward's peak, once).
+
+  Blocked GEMM: each tile's gathered expert weights are kept; their gradients are per-tile buffers of the
+  same size. Under remat the backward rebuilds one layer's gathered weights and each gradient takes the
+  buffer its weight frees once used; without remat the saved weights of all layers live in one stacked
+  buffer (the layer scan's) until the backward loop ends, so the gradients need buffers of their own.
+  ragged_dot: XLA rewrites it into dense products over every local expert, and [E/ep, rows, F] buffers
+  for gate, up and their gradients are live at the backward's peak."""
   m, moe = config.model, config.model.moe
   c = jnp.dtype(m.dtype).itemsize
   d = m.embed_dim
   ep = _shards(logical_to_spec(("exp",), preset.params), sizes)
+  local_experts = moe.num_experts // ep
   width = moe.expert_mlp_dim / _shards(logical_to_spec(("exp_mlp",), preset.params), sizes)
   # Tokens are gathered over the expert-width axes that also split them (tp_sp).
   width_axes = set(_axes(logical_to_spec((None, "exp_mlp"), preset.params)))
@@ -118,18 +127,19 @@ def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float) ->
   assignments = gathered * moe.top_k
   rows = ep * assignments  # the receive buffer
   buffers += assignments * d * c * 2 + (2 * 2 * rows * d * c if ep > 1 else 0)  # copied, sent/returned
-  gemm = moe.gemm_impl if moe.gemm_impl != "auto" else "blocked"
+  gemm = moe.gemm_impl if moe.gemm_impl != "auto" else ("blocked" if platform == "cpu" else "ragged_dot")
   if gemm == "blocked":
-    local_experts = moe.num_experts // ep
     height = moe.gemm_block_rows or choose_block_rows(int(rows), local_experts)
     tiles = (rows + local_experts * (height - 1)) // height
     tiled_rows = tiles * height
-    weights = 3 * tiles * d * width * c  # each tile's expert weights, gathered and kept for the backward
+    weights = 3 * tiles * d * width * c
+    transient = weights if m.remat == "none" else 0.0
   else:
     tiled_rows, weights = rows, 0.0
+    transient = 4 * local_experts * rows * width * c
   hidden = tiled_rows * (2 * d + 3 * width) * c  # tile inputs and outputs, gate/up/hidden units
   router = gathered * moe.num_experts * 4 * 3
-  return 2 * residual + buffers + hidden + weights + router, weights
+  return 2 * residual + buffers + hidden + weights + router, transient
 
 
 def _axes(spec) -> list[str]:

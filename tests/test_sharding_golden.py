@@ -62,5 +62,6 @@ def test_initialised_parameters_carry_the_rule_shardings():
     key = "/".join(map(str, path))
     assert _spec_json(value[...].sharding.spec) + [None] * (value.ndim - len(value[...].sharding.spec)) == \
         expected[key] + [None] * (value.ndim - len(expected[key])), key
-  assert model.layers[1].ffn.gate_EDF[...].sharding.spec[0] == "expert"
-  assert not model.layers[1].ffn.gate_EDF[...].sharding.is_fully_replicated
+  gate_LEDF = model.moe_layers.layer.ffn.gate_EDF[...]
+  assert gate_LEDF.sharding.spec[1] == "expert"
+  assert not gate_LEDF.sharding.is_fully_replicated

@@ -33,7 +33,7 @@ def test_train_step_updates_bias_from_load_and_params_by_the_optimizer():
   load = np.asarray(metrics["expert_load"][0])
   expected_bias = 0.01 * np.sign(load.mean() - load)
   assert np.any(expected_bias != 0)
-  np.testing.assert_allclose(np.asarray(after.others["layers"][1]["ffn"]["router"]["bias_E"][...]),
+  np.testing.assert_allclose(np.asarray(after.others["moe_layers"]["layer"]["ffn"]["router"]["bias_E"][...][0]),
                              expected_bias, rtol=1e-6)
   assert "bias_E" not in str(jax.tree.structure(after.opt_state))
   changed = [not np.array_equal(a, np.asarray(b)) for a, b in
@@ -104,7 +104,7 @@ def test_zero1_splits_optimizer_moments_but_not_parameters():
   mesh = make_mesh(config.mesh)
   _, params, _ = nnx.split(step.init_model(config, mesh), nnx.Param, ...)
   opt_state = step.init_optimizer_state(optax.adamw(1e-3), params, config, mesh)
-  mu = opt_state[0].mu["layers"][1]["ffn"]["gate_EDF"][...]
-  assert mu.sharding.spec[1] == ("data", "expert", "tensor", "sequence")  # the embed dimension
-  assert params["layers"][1]["ffn"]["gate_EDF"][...].sharding.is_fully_replicated
+  mu = opt_state[0].mu["moe_layers"]["layer"]["ffn"]["gate_EDF"][...]  # [layers, E, D, F]
+  assert mu.sharding.spec[2] == ("data", "expert", "tensor", "sequence")  # the embed dimension
+  assert params["moe_layers"]["layer"]["ffn"]["gate_EDF"][...].sharding.is_fully_replicated
   assert opt_state[0].count.sharding.is_fully_replicated
