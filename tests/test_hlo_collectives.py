@@ -23,14 +23,14 @@ def test_parses_every_spelling_and_counts_async_pairs_once():
   found = hlo_collectives.collectives(LINES, num_devices=8)
   assert [(c.kind, c.group_size, c.result_bytes) for c in found] == [
       ("all-gather", 4, 8 * 64 * 4),
-      ("all-gather", 4, (2 * 64 + 8 * 64) * 4),  # the start's tuple holds operand and result
+      ("all-gather", 4, 8 * 64 * 4),  # the done's result (the start's tuple holds operand and result)
       ("reduce-scatter", 4, 4 * 16 * 2),
       ("all-reduce", 8, 10 * 4 + 6 * 4),
       ("all-to-all", 2, 2 * 16 * 4),
       ("collective-permute", 4, 32 * 4),
   ]
-  by_kind = hlo_collectives.bytes_by_kind(found[:1] + found[2:])
-  assert by_kind["all-gather"] == pytest.approx(3 / 4 * 8 * 64 * 4)
+  by_kind = hlo_collectives.bytes_by_kind(found)
+  assert by_kind["all-gather"] == pytest.approx(2 * 3 / 4 * 8 * 64 * 4)
   assert by_kind["reduce-scatter"] == pytest.approx(3 * 4 * 16 * 2)
   assert by_kind["all-reduce"] == pytest.approx(2 * 7 / 8 * 64)
   assert by_kind["all-to-all"] == pytest.approx(1 / 2 * 128)
