@@ -24,6 +24,24 @@ Kinds (`parallel.attention`), for a device r of n holding Sl = S/n = 2c rows of 
   Memory: the S x S scores of N/n heads. Communication: (n-1)/n of q, k, v and the output, whatever the
   causal structure; the all-to-all is its own transpose.
 
+Tiers (`ParallelConfig.impl`). `reference` is the above. `xla` changes only `ring`: the K/V/position block
+for the next step is sent before the block at hand is computed (the transfer depends on nothing the step
+computes, so XLA overlaps it), and only the causally needed c x c quarter blocks are computed, 2n+1 per
+device like `allgather` instead of 4n. Device r holds early chunk r and late chunk 2n-1-r; the block at
+step s comes from device src = (r - s) mod n:
+- step 0 (src = r): early q x early k (diagonal), late q x early k (all visible), late q x late k
+  (diagonal);
+- src < r: both q chunks see all of src's early chunk (src < r) and nothing of its late one
+  (2n-1-src > 2n-1-r);
+- src > r: the late q chunk sees both of src's chunks (src < n <= 2n-1-r, and 2n-1-src < 2n-1-r); the
+  early q chunk r sees neither (src > r, 2n-1-src >= n > r).
+So every step after the first computes two quarter blocks, (q chunk early if src < r else late, k early)
+and (late q, k early if src < r else late), chosen at run time from r and the step with static shapes.
+Each step's blocks wait for the statistics of the steps before (an optimization barrier), so XLA cannot
+merge the steps' score matmuls into one that waits for every transfer, as it does for the reference ring.
+Bytes moved are the reference ring's. `allgather` (already causal) and `ulysses` (all-to-alls of whole
+tensors, nothing to overlap within the op) are the reference computation under `xla`.
+
 Blocks accumulate with an online softmax in float32 (running max, denominator and output). The merge is
 commutative and masks with a large finite negative number, so a fully masked block contributes exactly
 zero and never a NaN (-inf - -inf). The running max is kept out of autodiff: the result does not depend
@@ -40,6 +58,7 @@ from meshmoe.sharding import parallel
 from meshmoe.sharding.shardings import current
 
 KINDS = ("allgather", "ring", "ulysses")
+IMPLS = ("reference", "xla")
 _MASKED = -1e30  # finite, so a fully masked block gives exp(0) * 0 = 0 instead of NaN
 
 
@@ -66,19 +85,25 @@ def causal_attention(q_BSNH, k_BSGH, v_BSGH, q_pos_BS, k_pos_BS) -> jax.Array:
   return _finish(stats, q_BSNH)
 
 
-def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, kind: str, axis_names: parallel.Axes) -> jax.Array:
+def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, kind: str, axis_names: parallel.Axes,
+                      impl: str = "reference") -> jax.Array:
   """Causal attention inside jax.shard_map over a sequence split over `axis_names`.
 
   q/k/v/pos are this device's rows of a sequence permuted by zigzag_order(S, n) (n: the product of the
   axes' sizes) and split contiguously over `axis_names` in that order (device index
   jax.lax.axis_index(axis_names)); pos_BS holds the rows' original positions. Heads are local. Returns
-  this device's output rows, laid out like q. With no axes, plain local attention."""
+  this device's output rows, laid out like q. With no axes, plain local attention. `impl` is the tier
+  (module docstring); the ring's `xla` tier relies on the zigzag layout, the others only on positions."""
   if kind not in KINDS:
     raise ValueError(f"unknown context-parallel attention {kind!r}; known: {KINDS}")
+  if impl not in IMPLS:
+    raise ValueError(f"context-parallel attention has no {impl!r} tier; known: {IMPLS}")
   if not axis_names:
     return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS)
   if kind == "allgather":
     return _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+  if kind == "ring" and impl == "xla":
+    return _zigzag_ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
   if kind == "ring":
     return _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
   return _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
@@ -123,12 +148,17 @@ def _finish(stats, q_BSNH) -> jax.Array:
   return jnp.moveaxis(o_BGRSH, 3, 1).reshape(b, s, n, h).astype(q_BSNH.dtype)
 
 
-def _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+def _chunk_len(q_BSNH) -> int:
+  """c: the length of each of the two zigzag chunks of a device's rows."""
   if q_BSNH.shape[1] % 2:
     raise ValueError(f"{q_BSNH.shape[1]} local rows are not the two zigzag chunks of equal length")
+  return q_BSNH.shape[1] // 2
+
+
+def _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+  c = _chunk_len(q_BSNH)
   n = _axis_size(axes)
   r = jax.lax.axis_index(axes)
-  c = q_BSNH.shape[1] // 2
   k_BTGH, v_BTGH, pos_BT = (jax.lax.all_gather(a, axes, axis=1, tiled=True) for a in (k_BSGH, v_BSGH, pos_BS))
   q_BSGRH = _group(q_BSNH, k_BSGH.shape[2])
 
@@ -175,6 +205,48 @@ def _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
   return _finish(stats, q_BSNH)
 
 
+def _zigzag_ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+  """The `xla` ring (module docstring): transfers ahead of compute, causal quarter blocks only."""
+  c = _chunk_len(q_BSNH)
+  n = _axis_size(axes)
+  r = jax.lax.axis_index(axes)
+  shift = [(i, (i + 1) % n) for i in range(n)]
+  q_BSGRH = _group(q_BSNH, k_BSGH.shape[2])
+  rows = lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, c, axis=1)
+
+  def attend(q_start, block, k_start):
+    """Stats of the c queries from local row q_start against the c keys from row k_start of `block`."""
+    k_BTGH, v_BTGH, pos_BT = block
+    return _block(rows(q_BSGRH, q_start), rows(k_BTGH, k_start), rows(v_BTGH, k_start), rows(pos_BS, q_start),
+                  rows(pos_BT, k_start))
+
+  block = (k_BSGH, v_BSGH, pos_BS)
+  for step in range(n):
+    # Sent before this step's blocks are computed and independent of them: the transfer overlaps them.
+    # The last block needs no onward transfer.
+    incoming = tuple(jax.lax.ppermute(a, axes, shift) for a in block) if step < n - 1 else None
+    if step == 0:
+      early = attend(0, block, 0)
+      late = _merge(attend(c, block, 0), attend(c, block, c))
+    else:
+      (early, late), block = _after((early, late), block)
+      src_is_earlier = (r - step) % n < r
+      chunk = jnp.where(src_is_earlier, 0, c)
+      stats = attend(chunk, block, 0)  # early q (src < r) or late q (src > r) x src's early keys
+      merged = _merge(_select(src_is_earlier, early, late), stats)
+      early, late = _select(src_is_earlier, merged, early), _select(src_is_earlier, late, merged)
+      late = _merge(late, attend(c, block, chunk))  # late q x src's early (src < r) or late (src > r) keys
+    block = incoming
+  stats = jax.tree.map(lambda e, l: jnp.concatenate([e, l], axis=3), early, late)  # [..., S, (H)]
+  return _finish(stats, q_BSNH)
+
+
+def _after(done, operand):
+  """(done, operand), the operand usable only once `done` is computed (module docstring). Use both
+  results: XLA drops a barrier's operands whose results go unused, and with them the ordering."""
+  return jax.lax.optimization_barrier((done, operand))
+
+
 def _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
   n = _axis_size(axes)
   g = k_BSGH.shape[2]
@@ -210,10 +282,10 @@ def attention(q_BSNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, positions
   kv_spec = parallel.activation_spec(ctx, ("act_batch", "act_attn_seq", "act_kv_heads", None))
   pos_spec = parallel.spec_of(parallel.dim_axes(q_spec, 0), parallel.dim_axes(q_spec, 1))
   axes = parallel.dim_axes(q_spec, 1)
-  kind = ctx.parallel.attention
+  kind, impl = ctx.parallel.attention, ctx.parallel.impl
 
   def body(q, k, v, pos):
-    return sharded_attention(q, k, v, pos, kind=kind, axis_names=axes)
+    return sharded_attention(q, k, v, pos, kind=kind, axis_names=axes, impl=impl)
 
   return parallel.shard_map(ctx, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec)(
       q_BSNH, k_BSGH, v_BSGH, positions_BS)

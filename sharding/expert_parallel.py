@@ -20,14 +20,24 @@ Capacity mode marks dropped assignments with expert id E before calling here: th
 Expert-tensor parallelism: when the rules also split the experts' width (`exp_mlp`) over some axes, each
 device computes partial sums over its slice of the width; they are psum-ed, or reduce-scattered back to the
 residual layout where the tokens were split over those axes (they are all-gathered first; `tp_sp`).
+
+Tiers (`ParallelConfig.impl`, DESIGN.md): `reference` runs steps 1-5 once over all of a device's tokens;
+`xla` runs them over `moe_chunks` chunks of those tokens (after the expert-tensor gather), pipelined so that
+one chunk's exchanges overlap another chunk's GEMM (sharding/moe_pipeline.py: the schedule, buffer sizes
+and bytes moved). Both are built from the same three stages: `_send` (steps 1-3), `_compute` (4) and
+`_receive` (5). With ep == 1 nothing is exchanged and both are the one-device computation.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from meshmoe.sharding import dispatch, parallel
+from meshmoe.config import ParallelConfig
+from meshmoe.sharding import dispatch, moe_pipeline, parallel
 from meshmoe.sharding.dispatch import ExpertWeights
 from meshmoe.sharding.shardings import current
 
@@ -53,7 +63,7 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   reduce = parallel.without(width_axes, gather)
   ep = parallel.axis_size(ctx, expert_axes)
   ragged = platform != "cpu"  # XLA:CPU has no ragged_all_to_all
-  num_experts = w.num_experts
+  chunks = _num_chunks(ctx.parallel)
 
   def body(x_BSD, experts_BSK, weights_BSK, w):
     if gather:
@@ -63,8 +73,8 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
       # Tokens are the same on every width slice; marking them as differing here puts the backward's sum
       # over those slices on the [B, S, D] input instead of on the padded dispatch buffers inside.
       x_BSD, weights_BSK = (jax.lax.pcast(a, reduce, to="varying") for a in (x_BSD, weights_BSK))
-    y_BSD = _moe_expert_parallel(x_BSD, experts_BSK, weights_BSK, w, num_experts, expert_axes, ep,
-                                 ragged, gemm_impl, block_rows)
+    y_BSD = _expert_parallel(x_BSD, experts_BSK, weights_BSK, w, axes=expert_axes, ep=ep, ragged=ragged,
+                             impl=gemm_impl, block_rows=block_rows, chunks=chunks)
     if gather:
       y_BSD = jax.lax.psum_scatter(y_BSD, gather, scatter_dimension=token_dim, tiled=True)
     if reduce:
@@ -74,6 +84,31 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   w_specs = ExpertWeights(gate_spec, gate_spec, down_spec)
   return parallel.shard_map(ctx, body, (x_spec, x_spec, x_spec, w_specs), x_spec)(
       x_BSD, experts_BSK, weights_BSK, w)
+
+
+def _num_chunks(config: ParallelConfig) -> int:
+  """Chunks of each device's tokens that the tier pipelines: 1 for `reference`, `moe_chunks` for `xla`."""
+  if config.impl == "reference":
+    return 1
+  if config.impl == "xla":
+    return config.moe_chunks
+  raise ValueError(f"expert parallelism has no {config.impl!r} tier; known: 'reference', 'xla'")
+
+
+def _expert_parallel(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, *, axes: parallel.Axes, ep: int,
+                     ragged: bool, impl: str, block_rows: int, chunks: int) -> jax.Array:
+  """Steps 1-5 for one device's tokens: in one pass, or in `chunks` pipelined chunks."""
+  if ep == 1:  # every expert is here: nothing to exchange, nothing to overlap
+    return dispatch.moe_local(x_BSD, experts_BSK, weights_BSK, w, impl, block_rows)
+  b, s, d = x_BSD.shape
+  k = experts_BSK.shape[-1]
+  exchange = functools.partial(_ragged_exchange if ragged else _padded_exchange, axes=axes, ep=ep)
+  y_TD = moe_pipeline.pipelined(
+      functools.partial(_send, exchange=exchange, axes=axes, ep=ep, local_experts=w.num_experts),
+      functools.partial(_compute, w=w, impl=impl, block_rows=block_rows),
+      functools.partial(_receive, exchange=exchange, ep=ep),
+      x_BSD.reshape(b * s, d), experts_BSK.reshape(b * s, k), weights_BSK.reshape(b * s, k), chunks)
+  return y_TD.reshape(b, s, d)
 
 
 def _gathered_token_dim(x_spec, width_axes) -> tuple[int, parallel.Axes]:
@@ -87,19 +122,26 @@ def _gathered_token_dim(x_spec, width_axes) -> tuple[int, parallel.Axes]:
   return 1, ()
 
 
-def _moe_expert_parallel(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, num_experts: int,
-                         expert_axes: parallel.Axes, ep: int, ragged: bool, impl: str, block_rows: int):
-  b, s, d = x_BSD.shape
-  k = experts_BSK.shape[-1]
-  num_assignments = b * s * k
-  token_A = jnp.arange(num_assignments) // k
-  x_TD = x_BSD.reshape(b * s, d)
-  expert_A = experts_BSK.reshape(-1)
-  if ep == 1:
-    y_AD = dispatch.grouped_swiglu(x_TD[token_A], expert_A, w, impl, block_rows)
-    return dispatch.combine(y_AD, weights_BSK.reshape(-1), token_A, b * s).reshape(b, s, d)
+class _Route(NamedTuple):
+  """What `_send` leaves for a chunk's `_compute` and `_receive`."""
+  expert_R: jax.Array  # my local expert of each received row; E/ep for padding rows (zeros)
+  order_A: jax.Array  # the assignments sorted by expert
+  peer_A: jax.Array  # destination of each sorted assignment; ep for dropped ones
+  rank_A: jax.Array  # its row among those sent to that peer
+  send_P: jax.Array  # rows I send to each peer
+  recv_P: jax.Array  # rows each peer sends me
+  weights_TK: jax.Array  # combine weights
 
-  local_experts = num_experts // ep
+
+def _send(x_TD, experts_TK, weights_TK, *, exchange, axes: parallel.Axes, ep: int,
+          local_experts: int) -> tuple[jax.Array, _Route]:
+  """Steps 1-3 for tokens x_TD: my assignments' rows, received by their experts' devices. Returns my
+  receive buffer (peer p's rows at [p*A, p*A + n_p), sorted by my local expert) and its route."""
+  num_tokens, k = experts_TK.shape
+  num_assignments = num_tokens * k
+  token_A = jnp.arange(num_assignments) // k
+  expert_A = experts_TK.reshape(-1)
+  num_experts = local_experts * ep
   order_A = jnp.argsort(expert_A, stable=True)  # by expert, so by destination; dropped (id E) last
   peer_A = expert_A[order_A] // local_experts  # == ep for dropped assignments
   counts_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
@@ -107,22 +149,31 @@ def _moe_expert_parallel(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, num_
   first_P = jnp.cumsum(send_P) - send_P
   rank_A = jnp.arange(num_assignments) - first_P[jnp.minimum(peer_A, ep - 1)]
   # 2. Counts first: recv_PE[p, e] = rows peer p sends for my local expert e.
-  recv_PE = jax.lax.all_to_all(counts_E.reshape(ep, local_experts), expert_axes, 0, 0)
+  recv_PE = jax.lax.all_to_all(counts_E.reshape(ep, local_experts), axes, 0, 0)
   recv_P = jnp.sum(recv_PE, axis=1)
-  exchange = _ragged_exchange if ragged else _padded_exchange
   # 3. Tokens: rows [p*A, p*A + recv_P[p]) of the buffer come from peer p, sorted by my local expert.
   sent_AD = x_TD[token_A[order_A]]
-  received_RD = exchange(sent_AD, peer_A, rank_A, send_P, recv_P, expert_axes, ep)
+  received_RD = exchange(sent_AD, peer_A, rank_A, send_P, recv_P)
   cumulative_PE = jnp.cumsum(recv_PE, axis=1)
   slot_A = jnp.arange(num_assignments)
   local_expert_PA = jax.vmap(lambda c: jnp.searchsorted(c, slot_A, side="right"))(cumulative_PE)
-  # 4. My experts (w holds only this device's slice); rows past a peer's count get id local_experts, i.e. zeros.
-  y_RD = dispatch.grouped_swiglu(received_RD, local_expert_PA.reshape(-1), w, impl, block_rows)
-  # 5. Back to the senders, then into each token.
-  returned_PAD = exchange(y_RD, None, None, recv_P, send_P, expert_axes, ep, back=True)
+  return received_RD, _Route(local_expert_PA.reshape(-1), order_A, peer_A, rank_A, send_P, recv_P, weights_TK)
+
+
+def _compute(received_RD, route: _Route, *, w: ExpertWeights, impl: str, block_rows: int) -> jax.Array:
+  """Step 4: my experts (w holds only this device's slice); padding rows (id E/ep) give zeros."""
+  return dispatch.grouped_swiglu(received_RD, route.expert_R, w, impl, block_rows)
+
+
+def _receive(y_RD, route: _Route, *, exchange, ep: int) -> jax.Array:
+  """Step 5: the outputs back to their senders, then into each token: y_TD."""
+  num_tokens, k = route.weights_TK.shape
+  token_A = jnp.arange(num_tokens * k) // k
+  peer_A, rank_A = route.peer_A, route.rank_A
+  returned_PAD = exchange(y_RD, None, None, route.recv_P, route.send_P, back=True)
   y_sorted_AD = jnp.where((peer_A < ep)[:, None], returned_PAD[jnp.minimum(peer_A, ep - 1), rank_A], 0)
-  y_AD = jnp.zeros_like(y_sorted_AD).at[order_A].set(y_sorted_AD, unique_indices=True)
-  return dispatch.combine(y_AD, weights_BSK.reshape(-1), token_A, b * s).reshape(b, s, d)
+  y_AD = jnp.zeros_like(y_sorted_AD).at[route.order_A].set(y_sorted_AD, unique_indices=True)
+  return dispatch.combine(y_AD, route.weights_TK.reshape(-1), token_A, num_tokens)
 
 
 def _padded_exchange(rows_XD, peer_X, rank_X, send_P, recv_P, axes, ep, back=False):
@@ -146,7 +197,10 @@ def _ragged_exchange(rows_XD, peer_X, rank_X, send_P, recv_P, axes, ep, back=Fal
                    else (jnp.cumsum(send_P) - send_P).astype(jnp.int32))
   me = jax.lax.axis_index(axes)
   output_offsets = jnp.full((ep,), me * slot, jnp.int32)
-  output = jnp.zeros((ep * slot, rows_XD.shape[-1]), rows_XD.dtype)
+  # ragged_all_to_all types its result like `output`. A plain jnp.zeros is typed the same on every device
+  # (invariant), so the result would be too, and the backward would psum its cotangent over the devices:
+  # every device's gradient summed into each. zeros_like varies over the rows' mesh axes, as the result does.
+  output = jnp.zeros_like(rows_XD, shape=(ep * slot, rows_XD.shape[-1]))
   out = jax.lax.ragged_all_to_all(rows_XD, output, input_offsets, send_P.astype(jnp.int32), output_offsets,
                                   recv_P.astype(jnp.int32), axis_name=axes)
   return out.reshape(ep, slot, -1) if back else out

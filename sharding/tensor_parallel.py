@@ -16,6 +16,15 @@ skipped and the reduce-scatter becomes a psum. With no tp axes both ops are loca
 
 Bytes per device and call (reference tier): project_in all-gathers (tp-1)/tp of the gathered activation;
 project_out reduce-scatters (tp-1)/tp of the [B, S/sp, D] partial sums; the backward pass swaps the two.
+
+Tiers (`ParallelConfig.impl`, DESIGN.md):
+- `reference`: the all_gather / psum_scatter collectives above around local matmuls.
+- `xla`: where the sequence is gathered (project_in) or scattered (project_out) over tp axes, the
+  collective and the matmul become one ring of ppermute steps (sharding/collective_matmul.py): each
+  block's matmul runs while the next block (or accumulator) travels, forward and backward, with the same
+  bytes per device as the reference. Where there is nothing to gather or scatter (no tp axes, or the
+  psum-only layouts such as megascale's heads over `tensor`) there is no collective to split and the
+  `xla` tier is the reference computation.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from meshmoe.sharding import parallel
+from meshmoe.sharding import collective_matmul, parallel
 from meshmoe.sharding.shardings import current
 
 _RESIDUAL = ("act_batch", "act_seq", None)
@@ -50,8 +59,15 @@ def project_in(x_BSD: jax.Array, weights: Sequence[jax.Array],
                for spec, names in zip(w_specs, logical)]
 
   replicated = parallel.without(tp_axes, gather)
+  ring = bool(gather) and ctx.parallel.impl == "xla"
+  # The ring's custom gradient needs x and the weights to vary over the same mesh axes.
+  ring_axes = tuple(dict.fromkeys(parallel.all_axes(x_spec) + tp_axes))
 
   def body(x_BSD, *weights):
+    if ring:
+      x_BSD = _vary(x_BSD, ring_axes, parallel.all_axes(x_spec))
+      weights = [_vary(w, ring_axes, parallel.all_axes(spec)) for w, spec in zip(weights, w_specs)]
+      return list(collective_matmul.allgather_matmul(x_BSD, weights, gather))
     if gather:
       x_BSD = jax.lax.all_gather(x_BSD, gather, axis=1, tiled=True)
     if replicated:
@@ -79,7 +95,14 @@ def project_out(y: jax.Array, w: jax.Array, logical: Sequence[str | None]) -> ja
   y_spec = parallel.spec_of(parallel.dim_axes(res_spec, 0), parallel.without(seq_axes, scatter),
                             *(parallel.dim_axes(w_spec, i) for i in range(len(logical) - 1)))
 
+  ring = bool(scatter) and ctx.parallel.impl == "xla"
+  ring_axes = tuple(dict.fromkeys(parallel.all_axes(y_spec) + tp_axes))
+
   def body(y, w):
+    if ring:
+      y, w = _vary(y, ring_axes, parallel.all_axes(y_spec)), _vary(w, ring_axes, tp_axes)
+      out_BSD = collective_matmul.matmul_reducescatter(y, w, scatter)
+      return jax.lax.psum(out_BSD, reduce) if reduce else out_BSD
     out_BSD = _matmul_out(y, w)
     if scatter:
       out_BSD = jax.lax.psum_scatter(out_BSD, scatter, scatter_dimension=1, tiled=True)
@@ -88,6 +111,13 @@ def project_out(y: jax.Array, w: jax.Array, logical: Sequence[str | None]) -> ja
     return out_BSD
 
   return parallel.shard_map(ctx, body, (y_spec, w_spec), res_spec)(y, w)
+
+
+def _vary(a: jax.Array, axes: parallel.Axes, varying: parallel.Axes) -> jax.Array:
+  """`a` (varying over `varying`) marked as varying over all of `axes`. The backward pass sums its
+  gradient over the added axes, as autodiff does where an invariant operand meets a varying one."""
+  missing = parallel.without(axes, varying)
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _matmul_in(x_BSD: jax.Array, w: jax.Array) -> jax.Array:

@@ -40,8 +40,9 @@ class CollectiveCost:
 class _Layout:
   """Mesh-axis arithmetic for one config: which axes split what, and local sizes."""
 
-  def __init__(self, config: Config, num_devices: int):
+  def __init__(self, config: Config, num_devices: int, platform: str):
     self.config, self.sizes = config, resolve_mesh_sizes(config.mesh, num_devices)
+    self.platform = platform
     self.num_devices = num_devices
     self.preset = get_preset(config.mesh.preset)
 
@@ -59,9 +60,10 @@ class _Layout:
     return math.prod(self.sizes[a] for a in axes)
 
 
-def collective_costs(config: Config, num_devices: int) -> list[CollectiveCost]:
-  """Every collective of one training step (all micro-batches), per device."""
-  lay = _Layout(config, num_devices)
+def collective_costs(config: Config, num_devices: int, platform: str = "cpu") -> list[CollectiveCost]:
+  """Every collective of one training step (all micro-batches), per device; `platform` "cpu" or "gpu"
+  (expert parallelism exchanges tokens with a padded all-to-all on CPU, ragged_all_to_all elsewhere)."""
+  lay = _Layout(config, num_devices, platform)
   m, moe, t = config.model, config.model.moe, config.train
   c = jnp.dtype(m.dtype).itemsize
   micro = t.global_batch_size // t.grad_accum_steps
@@ -85,10 +87,15 @@ def collective_costs(config: Config, num_devices: int) -> list[CollectiveCost]:
     tp_axes = tuple(dict.fromkeys(a for names in weight_logical_in for dim in lay.weight(*names) for a in dim))
     gather = tuple(a for a in seq_axes if a in tp_axes)
     g = lay.size(gather)
-    add(op, "all-gather", g, residual * g, True)  # project_in
-    add(op, "reduce-scatter", g, residual, False)  # its transpose
-    add(op, "reduce-scatter", g, residual, True)  # project_out
-    add(op, "all-gather", g, residual * g, False)
+    if lay.config.parallel.impl == "xla":  # rings: g-1 residual blocks per device and direction of use
+      for forward in (True, False):  # (collective_matmul.py: project_in, project_out, their transposes)
+        for _ in range(2 * (g - 1)):
+          add(op, "collective-permute", g, residual, forward)
+    else:
+      add(op, "all-gather", g, residual * g, True)  # project_in
+      add(op, "reduce-scatter", g, residual, False)  # its transpose
+      add(op, "reduce-scatter", g, residual, True)  # project_out
+      add(op, "all-gather", g, residual * g, False)
     r = lay.size(tuple(a for a in tp_axes if a not in gather))
     add(op, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
     add(op, "all-reduce", r, residual, False)  # project_in's input gradient over the same axes
@@ -143,11 +150,22 @@ def _moe(lay: _Layout, add, c: int, micro: int, residual: int, batch_axes, seq_a
   add("moe", "all-gather", g, residual * g + routing, True)
   add("moe", "reduce-scatter", g, residual + tokens * k * 4, False)
   ep = lay.size(expert_axes)
-  buffer = ep * tokens * k * lay.config.model.embed_dim * c  # padded [ep, A, D]: dropless worst case
-  add("moe", "all-to-all", ep, moe.num_experts * 4, True)  # group sizes first
-  for _ in range(2):  # dispatch and return, each transposed in the backward
-    add("moe", "all-to-all", ep, buffer, True)
-    add("moe", "all-to-all", ep, buffer, False)
+  sent = tokens * k * lay.config.model.embed_dim * c  # [A, D]: this device's assignments
+  buffer = ep * sent  # [ep, A, D]: the receive buffer, dropless worst case
+  # Group sizes first, once per chunk of the xla tier's pipeline (moe_pipeline.py); the chunks' token
+  # buffers add up to the unchunked ones.
+  chunks = min(lay.config.parallel.moe_chunks, int(tokens)) if lay.config.parallel.impl == "xla" else 1
+  for _ in range(chunks):
+    add("moe", "all-to-all", ep, moe.num_experts * 4, True)
+  if lay.platform == "cpu":  # padded all_to_all of whole [ep, A, D] buffers, each transposed in the backward
+    for _ in range(2):  # dispatch and return
+      add("moe", "all-to-all", ep, buffer, True)
+      add("moe", "all-to-all", ep, buffer, False)
+  else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound)
+    add("moe", "ragged-all-to-all", ep, buffer, True)  # dispatch: [A] rows in, [ep*A] out
+    add("moe", "ragged-all-to-all", ep, buffer, True)  # return: into an [ep, A] buffer
+    add("moe", "ragged-all-to-all", ep, buffer, False)  # the return's transpose: [ep*A] out
+    add("moe", "ragged-all-to-all", ep, sent, False)  # the dispatch's transpose: back to [A] rows
   add("moe", "reduce-scatter", g, residual, True)
   add("moe", "all-gather", g, residual * g, False)
   r = lay.size(tuple(a for a in width_axes if a not in gather))

@@ -55,14 +55,15 @@ def _value_and_grads(fn, x, experts, weights, w, cotangent):
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, weights, w)
 
 
-def _sharded(sizes, preset):
+def _sharded(sizes, preset, parallel=None, gemm_impl="blocked"):
+  """The op on a mesh of `sizes` under `preset` (and the tier in `parallel`), and how to place its inputs."""
   data, expert, tensor, sequence = sizes
   mesh = make_mesh(MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset),
                    jax.devices())
 
   def fn(x, experts, weights, w):
-    with use_rules(mesh, preset):
-      return expert_parallel.moe_ffn(x, experts, weights, w, gemm_impl="blocked")
+    with use_rules(mesh, preset, parallel):
+      return expert_parallel.moe_ffn(x, experts, weights, w, gemm_impl=gemm_impl)
 
   def place(x, experts, weights, w):
     with use_rules(mesh, preset):

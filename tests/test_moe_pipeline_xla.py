@@ -1,0 +1,199 @@
+"""The `xla` tier of expert parallelism (sharding/moe_pipeline.py): chunked dispatch -> GEMM -> combine.
+
+It must be the reference's function: equal to dispatch.moe_local on one device, forward and gradients, on
+the layouts and loads of test_expert_parallel.py. Its compiled programs must show the chunking: on CPU C
+times the token all-to-alls, each 1/C of the buffer; compiled deviceless for 8 H100s, C times the
+ragged-all-to-alls, and a GEMM scheduled while a token exchange is in flight (never so in the reference).
+The last test holds both tiers' GPU exchange to a backward without an all-reduce of its buffers.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+
+from meshmoe import deviceless, hlo_module
+from meshmoe.config import ParallelConfig
+from meshmoe.sharding import dispatch, expert_parallel, moe_pipeline
+from meshmoe.sharding.rules import PRESETS, logical_to_spec
+from meshmoe.sharding.shardings import activation_sharding, use_rules
+from tests.test_expert_parallel import LAYOUTS, _inputs, _sharded, _value_and_grads
+from tests.tolerances import FP32_MODULE_RTOL, assert_close
+
+AXES = ("data", "expert", "tensor", "sequence")
+_IDS = [f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS]
+
+
+def _xla(chunks: int) -> ParallelConfig:
+  return ParallelConfig(impl="xla", moe_chunks=chunks)
+
+
+def _assert_matches_one_device(sizes, preset, load, parallel, gemm_impl="blocked"):
+  x, experts, weights, w = _inputs(load)
+  cotangent = jax.random.normal(jax.random.key(9), x.shape)
+  local = lambda x, e, g, w: dispatch.moe_local(x, e, g, w, "blocked")
+  ref_value, ref_grads = _value_and_grads(local, x, experts, weights, w, cotangent)
+  fn, place, _ = _sharded(sizes, preset, parallel, gemm_impl)
+  value, grads = _value_and_grads(fn, *place(x, experts, weights, w), cotangent)
+  assert_close(value, ref_value, FP32_MODULE_RTOL, "output . cotangent")
+  for name, got, want in zip(("x", "weights", "w"), grads, ref_grads):
+    for leaf_got, leaf_want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert_close(leaf_got, leaf_want, FP32_MODULE_RTOL, f"grad {name}")
+
+
+def test_chunks_are_contiguous_clamped_and_differ_by_at_most_one_token():
+  sizes = lambda bounds: [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+  assert sizes(moe_pipeline.chunk_bounds(10, 3)) == [3, 3, 4]
+  assert sizes(moe_pipeline.chunk_bounds(8, 3)) == [2, 3, 3]  # the tests' 8 tokens per device: uneven
+  assert sizes(moe_pipeline.chunk_bounds(16, 3)) == [5, 5, 6]  # tp_sp after the gather: uneven
+  assert sizes(moe_pipeline.chunk_bounds(3, 5)) == [1, 1, 1]
+  assert moe_pipeline.chunk_bounds(7, 1) == [0, 7]
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("load", ["balanced", "uneven", "dropped"])
+@pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=_IDS)
+def test_xla_tier_matches_one_device(sizes, preset, load, chunks):
+  _assert_matches_one_device(sizes, preset, load, _xla(chunks))
+
+
+@pytest.mark.parametrize("load", ["balanced", "uneven", "dropped"])
+def test_xla_tier_with_ragged_dot_matches_one_device(load):
+  _assert_matches_one_device((2, 4, 1, 1), "ep", load, _xla(3), gemm_impl="ragged_dot")
+
+
+def test_more_chunks_than_tokens_is_one_chunk_per_token():
+  _assert_matches_one_device((1, 8, 1, 1), "ep", "dropped", _xla(64))
+
+
+def test_unknown_tier_is_an_error():
+  x, experts, weights, w = _inputs("balanced")
+  fn, place, _ = _sharded((1, 8, 1, 1), "ep", ParallelConfig(impl="pallas"))
+  with pytest.raises(ValueError, match="no 'pallas' tier"):
+    fn(*place(x, experts, weights, w))
+
+
+# --- Compiled programs ----------------------------------------------------------------------------------
+
+_ALL_TO_ALL = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) all-to-all\(")
+
+
+def _all_to_alls(hlo: str) -> tuple[list[float], int]:
+  """Result bytes of each all-to-all of floats (tokens), and the number of integer ones (group sizes)."""
+  tokens, sizes = [], 0
+  for line in hlo.splitlines():
+    if m := _ALL_TO_ALL.match(line):
+      if "f32[" in m[1]:
+        tokens.append(hlo_module.shape_bytes(m[1]))
+      else:
+        sizes += 1
+  return tokens, sizes
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("sizes,preset", [((1, 8, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"),
+                                          ((2, 2, 2, 1), "tp_sp")])
+def test_cpu_program_has_chunks_times_the_token_all_to_alls_each_a_chunk_of_the_buffer(sizes, preset, chunks):
+  x, experts, weights, w = _inputs("balanced")
+
+  def compiled(parallel):
+    fn, place, _ = _sharded(sizes, preset, parallel)
+    return jax.jit(fn).lower(*place(x, experts, weights, w)).compile().as_text()
+
+  reference, pipelined = compiled(None), compiled(_xla(chunks))
+  (dispatch_bytes, return_bytes), ref_sizes = _all_to_alls(reference)
+  assert dispatch_bytes == return_bytes and ref_sizes == 1
+  token_bytes, group_sizes = _all_to_alls(pipelined)
+  assert group_sizes == chunks, "one group-size exchange per chunk"
+  # Dispatch and return per chunk, each ep x (the chunk's assignments) rows: the reference's buffer split in
+  # proportion to the chunk's tokens (uneven chunks with 3).
+  ep, (_, _, d), k = sizes[1], x.shape, experts.shape[-1]
+  num_tokens = int(dispatch_bytes) // (ep * k * d * 4)  # the reference's buffer: ep x T*K rows of D floats
+  bounds = moe_pipeline.chunk_bounds(num_tokens, chunks)
+  want = sorted(2 * [dispatch_bytes * (hi - lo) / num_tokens for lo, hi in zip(bounds, bounds[1:])])
+  assert sorted(token_bytes) == want
+  assert sum(token_bytes) == dispatch_bytes + return_bytes
+  assert len(set(token_bytes)) == (2 if chunks == 3 else 1), "3 chunks of these tokens are uneven, 2 even"
+  # Chunking comes after the expert-tensor gather of the tokens (tp_sp), which stays one whole gather;
+  # the other layouts gather no tokens at all.
+  assert pipelined.count(" all-gather(") == reference.count(" all-gather(")
+  if preset != "tp_sp":
+    assert " all-gather(" not in pipelined
+
+
+# What the runner's GPU flags turn on: XLA's latency-hiding scheduler, which moves each asynchronous
+# collective's start early and its done late. XLA's default schedule leaves most exchanges synchronous.
+_SCHEDULER = {"xla_gpu_enable_latency_hiding_scheduler": True,
+              "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+
+
+def _h100(sizes, preset, parallel, grad=False) -> hlo_module.HloModule:
+  """The op compiled deviceless for 8 H100s (gemm_impl "auto": ragged_dot, exchanges ragged_all_to_all)."""
+  mesh = deviceless.gpu_mesh(sizes, AXES)
+  x, experts, weights, w = _inputs("dropped")
+  with use_rules(mesh, preset):
+    tokens = activation_sharding(("act_batch", "act_seq", None))
+  param = lambda names: NamedSharding(mesh, logical_to_spec(names, PRESETS[preset].params))
+  abstract = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  w = dispatch.ExpertWeights(abstract(w.gate_EDF, param(("exp", "embed", "exp_mlp"))),
+                             abstract(w.up_EDF, param(("exp", "embed", "exp_mlp"))),
+                             abstract(w.down_EFD, param(("exp", "exp_mlp", "embed"))))
+
+  def fn(x, experts, weights, w):
+    with use_rules(mesh, preset, parallel):
+      return expert_parallel.moe_ffn(x, experts, weights, w, gemm_impl="auto")
+
+  loss = lambda x, experts, weights, w: jnp.sum(fn(x, experts, weights, w) ** 2)
+  args = (abstract(x, tokens), abstract(experts, tokens), abstract(weights, tokens), w)
+  program = jax.grad(loss, argnums=(0, 2, 3)) if grad else fn
+  return hlo_module.parse(jax.jit(program).lower(*args).compile(compiler_options=_SCHEDULER).as_text())
+
+
+def _runs_a_dot(module: hlo_module.HloModule, instruction: hlo_module.Instruction) -> bool:
+  """Whether a scheduled instruction is a GEMM: a dot, a library GEMM call, or a fusion around a dot."""
+  if instruction.opcode == "dot":
+    return True
+  if instruction.opcode == "custom-call":
+    return "gemm" in instruction.attributes
+  return any(_runs_a_dot(module, inner) for callee in instruction.callees if callee in module.computations
+             for inner in module.computations[callee].instructions)
+
+
+def _gemms_during_token_exchanges(module: hlo_module.HloModule) -> int:
+  """GEMMs scheduled between the start and the done of an asynchronous ragged-all-to-all."""
+  entry = next(c for c in module.scheduled_computations() if c.is_entry)
+  sequence = entry.instructions
+  found = 0
+  for index, start in enumerate(sequence):
+    if start.opcode == "ragged-all-to-all-start":
+      end = next(j for j in range(index + 1, len(sequence)) if start.name in sequence[j].operands)
+      found += sum(_runs_a_dot(module, i) for i in sequence[index + 1:end])
+  return found
+
+
+def _count(module: hlo_module.HloModule, opcodes: tuple[str, ...]) -> int:
+  return sum(i.opcode in opcodes for _, i in module.instructions())
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("sizes,preset", [((1, 8, 1, 1), "ep"), ((4, 2, 1, 1), "ep")])
+def test_h100_program_overlaps_a_token_exchange_with_a_gemm(sizes, preset, chunks):
+  """Without the pipeline's barrier XLA merges the chunks' GEMMs into one, which waits for every dispatch:
+  this finds no overlap then."""
+  ragged = ("ragged-all-to-all", "ragged-all-to-all-start")
+  reference = _h100(sizes, preset, None)
+  pipelined = _h100(sizes, preset, _xla(chunks))
+  assert _count(reference, ragged) == 2 and _count(pipelined, ragged) == 2 * chunks
+  assert _gemms_during_token_exchanges(reference) == 0  # dispatch -> GEMM -> return, each waiting
+  assert _gemms_during_token_exchanges(pipelined) > 0
+
+
+@pytest.mark.parametrize("parallel", [None, _xla(2)], ids=["reference", "xla"])
+def test_h100_backward_sums_no_exchange_buffer_over_devices(parallel):
+  """ragged_all_to_all types its result like its `output` operand; given an invariant jnp.zeros, the result
+  passed for one value on every device and the backward psum-ed its cotangent over all devices (wrong
+  gradients, and an all-reduce of every exchange buffer). Under `ep` nothing needs an all-reduce."""
+  module = _h100((1, 8, 1, 1), "ep", parallel, grad=True)
+  assert _count(module, ("all-reduce", "all-reduce-start")) == 0
