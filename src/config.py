@@ -18,6 +18,7 @@ PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
 # Parallel-op tiers (DESIGN.md). Only the tiers that exist are accepted.
 IMPLS = ("reference", "xla")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
+XLA_FLAG_PRESETS = ("none", "overlap", "overlap_windowed_einsum")  # meshmoe.xla_flags.PRESETS
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
 GEMM_IMPLS = ("auto", "blocked", "ragged_dot")
@@ -105,6 +106,9 @@ class ParallelConfig:
   # impl="xla": each device's MoE tokens go through dispatch -> expert GEMM -> combine in this many
   # chunks, so one chunk's all-to-alls overlap another chunk's GEMM. 1 turns the pipeline off.
   moe_chunks: int = 2
+  # XLA flag preset for GPUs (src/xla_flags.py): "overlap" (latency-hiding scheduler, collectives
+  # pipelined across loop iterations, combining), "overlap_windowed_einsum" or "none" (XLA's defaults).
+  xla_flags: str = "overlap"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -190,6 +194,7 @@ class Config:
     _check_choice("parallel.impl", self.parallel.impl, IMPLS)
     _check_choice("parallel.attention", self.parallel.attention, ATTENTION_KINDS)
     _check_positive_int("parallel.moe_chunks", self.parallel.moe_chunks)
+    _check_choice("parallel.xla_flags", self.parallel.xla_flags, XLA_FLAG_PRESETS)
     if num_devices is not None:
       from meshmoe.sharding import rules  # lazy: sharding imports this module
 

@@ -126,8 +126,8 @@ def _expert_flops(config: Config, sizes, preset, split, platform: str) -> float:
   if gemm == "blocked":
     height = moe.gemm_block_rows or choose_block_rows(rows, local_experts)
     computed_rows = (rows + local_experts * (height - 1)) // height * height
-  else:
-    computed_rows = rows * (local_experts if platform == "cpu" else 1)
+  else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert
+    computed_rows = rows * local_experts
   per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / width_split
   return num_moe * per_step_micro * t.grad_accum_steps
 
@@ -149,5 +149,5 @@ def step_cost(config: Config, num_devices: int, platform: str = "cpu") -> StepCo
   return StepCost(
       model_flops=train_step_flops(config.model, t.global_batch_size, t.seq_len),
       executed_flops_per_device=executed_flops_per_device(config, num_devices, platform),
-      collectives=cost_collectives.collective_costs(config, num_devices),
-      memory=cost_memory.memory_per_device(config, num_devices))
+      collectives=cost_collectives.collective_costs(config, num_devices, platform),
+      memory=cost_memory.memory_per_device(config, num_devices, platform))

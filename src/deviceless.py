@@ -13,19 +13,22 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh
 
 TARGETS = ("h100_sxm",)
+# XLA flags a deviceless compile needs. Large sorts (the MoE dispatch sorts 10^5+ assignments) become
+# CUB radix sorts on GPUs, whose scratch size XLA asks the CUDA runtime for: without a GPU the compile
+# fails ("Error loading CUDA libraries"), so deviceless compiles keep XLA's own sort.
+COMPILE_FLAGS = ("--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED",)
 
 
-def gpu_mesh(shape: Sequence[int], axis_names: Sequence[str], target: str = "h100_sxm",
-             num_hosts: int = 1) -> Mesh:
-  """A mesh of prod(shape) GPUs of `target` spread over `num_hosts` hosts, with Auto axis types."""
+def gpu_devices(num_devices: int, target: str = "h100_sxm", num_hosts: int = 1) -> list[jax.Device]:
+  """`num_devices` GPUs of `target` spread evenly over `num_hosts` hosts (process_index = host)."""
   if target not in TARGETS:
     raise ValueError(f"unknown GPU target {target!r}; known: {', '.join(TARGETS)}")
-  num_devices = math.prod(shape)
-  if num_devices % num_hosts:
+  if num_hosts < 1 or num_devices % num_hosts:
     raise ValueError(f"{num_devices} devices do not split evenly over {num_hosts} hosts")
   spec = importlib.resources.files("meshmoe").joinpath(f"gpu_specs/{target}.txtpb").read_text()
   try:
@@ -34,5 +37,12 @@ def gpu_mesh(shape: Sequence[int], axis_names: Sequence[str], target: str = "h10
   except Exception as error:  # the plugin missing or too old: say how to get it
     raise RuntimeError("deviceless GPU compilation needs the CUDA PJRT plugin: "
                        "pip install -e '.[deviceless]' (no GPU or CUDA libraries needed)") from error
-  devices = topologies.make_mesh(topology, tuple(shape), tuple(axis_names)).devices
+  return list(topology.devices)
+
+
+def gpu_mesh(shape: Sequence[int], axis_names: Sequence[str], target: str = "h100_sxm",
+             num_hosts: int = 1) -> Mesh:
+  """A mesh of prod(shape) GPUs of `target` spread over `num_hosts` hosts, with Auto axis types; devices
+  in id order (row-major over `shape`)."""
+  devices = np.array(gpu_devices(math.prod(shape), target, num_hosts), dtype=object).reshape(tuple(shape))
   return Mesh(devices, tuple(axis_names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

@@ -33,12 +33,32 @@ def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, c
                          mesh: Mesh) -> Any:
   """`optimizer.init(params)` with every parameter-shaped leaf (moments, ...) placed by the preset's
   optimizer rules (ZeRO-1 splits them over the devices) and scalars such as the step count replicated."""
+  shardings = optimizer_state_shardings(optimizer, params, config, mesh)
+  return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, params: Any, config: Config,
+                              mesh: Mesh) -> Any:
+  """The shardings `init_optimizer_state` gives (`params` may be abstract)."""
   abstract = jax.eval_shape(optimizer.init, params)
-  shardings = optax.tree_map_params(
+  return optax.tree_map_params(
       optimizer, lambda _, sharding: sharding, abstract, optimizer_shardings(params, mesh, config.mesh.preset),
       transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
       is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def abstract_model_state(config: Config, mesh: Mesh) -> tuple[Any, Any, Any]:
+  """(graphdef, params, others) of the model with every leaf a jax.ShapeDtypeStruct carrying the sharding
+  `init_model` would give it: the model's shape on `mesh` without allocating it."""
+  abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(config.train.seed)))
+  graphdef, params, others = nnx.split(abstract, nnx.Param, ...)
+  whole = NamedSharding(mesh, PartitionSpec())
+  placed = lambda variable, sharding: variable.replace(
+      jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding))
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  params = jax.tree.map(placed, params, param_shardings(params, mesh, config.mesh.preset), is_leaf=is_variable)
+  others = jax.tree.map(lambda v: placed(v, whole), others, is_leaf=is_variable)
+  return graphdef, params, others
 
 
 def shard_batch(tokens_BS: jax.Array, config: Config, mesh: Mesh) -> jax.Array:

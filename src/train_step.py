@@ -25,7 +25,7 @@ from meshmoe import optimizer as optimizer_lib
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
-from meshmoe.step import init_model, init_optimizer_state
+from meshmoe.step import abstract_model_state, init_model, init_optimizer_state, optimizer_state_shardings
 
 
 @dataclasses.dataclass
@@ -62,6 +62,29 @@ def create(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
   state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, others=others,
                      opt_state=opt_state,
                      rng=jax.device_put(jax.random.PRNGKey(config.train.seed), replicated))
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
+  trainer = Trainer(graphdef, optimizer, schedule,
+                    _make_train_step(graphdef, optimizer, schedule, config, mesh, shardings),
+                    _make_eval_step(graphdef, config, mesh), shardings)
+  return trainer, state
+
+
+def create_abstract(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
+  """The jitted steps and the state as jax.ShapeDtypeStructs with their shardings, allocating nothing: to
+  compile a step for devices this machine does not have (meshmoe.aot)."""
+  graphdef, params, others = abstract_model_state(config, mesh)
+  optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
+  opt_shardings = optimizer_state_shardings(optimizer, params, config, mesh)
+  # The shardings tree is a prefix of the state's (a sharding where the state has a Variable of an array).
+  placed = lambda sharding, subtree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree)
+  opt_state = jax.tree.map(placed, opt_shardings, jax.eval_shape(optimizer.init, params))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+                     others=others, opt_state=opt_state,
+                     rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
   trainer = Trainer(graphdef, optimizer, schedule,

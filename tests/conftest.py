@@ -1,11 +1,14 @@
 """Test set-up: 8 simulated CPU devices, float32 matmuls at full precision."""
 import os
 
-# Must happen before jax is imported anywhere.
+# Must happen before jax is imported anywhere. The deviceless-compile flag is deviceless.COMPILE_FLAGS
+# (tests compile for H100s in-process); written out here because importing meshmoe would import jax.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
+if "--xla_gpu_deviceless_cub_mode" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -1,0 +1,69 @@
+"""Compile the training step for a GPU cluster without GPUs and report memory, FLOPs and communication.
+
+  python -m experiments.aot --config=experiments/configs/mixtral_8x7b.py --target=h100 --devices=64 --hosts=8 \
+      --out=mixtral.json [--config.mesh.preset=megascale --config.parallel.impl=xla ...]
+  python -m experiments.aot --target=cpu --devices=8 --out=tiny.json      # the local (simulated) devices
+
+Prints the cost model's figures beside the compiled program's (matmul FLOPs, peak memory, bytes per
+collective kind and how much of it overlaps compute) and whether the step fits in device memory; writes
+the JSON report (meshmoe.aot) to --out. Needs the `deviceless` extra for GPU targets (the CUDA PJRT
+plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it does not.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+from absl import app, flags
+
+from experiments import cli
+
+_TARGET = flags.DEFINE_enum("target", "h100", ["h100", "cpu"], "what to compile for")
+_DEVICES = flags.DEFINE_integer("devices", 8, "number of devices (GPUs, or simulated CPU devices)", lower_bound=1)
+_HOSTS = flags.DEFINE_integer("hosts", 1, "hosts the GPUs are spread over (devices per host = devices / hosts)",
+                              lower_bound=1)
+_OUT = flags.DEFINE_string("out", None, "where to write the JSON report (default: print only)")
+_HLO = flags.DEFINE_string("hlo", None, "where to write the compiled, scheduled HLO text (optional)")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if _DEVICES.value % _HOSTS.value:
+    sys.exit(f"error: --devices={_DEVICES.value} does not split evenly over --hosts={_HOSTS.value}")
+  # Before JAX is imported (the platform) and starts its backend (the device count, the XLA flags).
+  os.environ["JAX_PLATFORMS"] = "cpu"  # GPU targets compile on this machine's CPU, without a GPU
+  from meshmoe import deviceless
+
+  extra = ((f"--xla_force_host_platform_device_count={_DEVICES.value}",) if _TARGET.value == "cpu"
+           else deviceless.COMPILE_FLAGS)
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
+  config = flags.FLAGS.config
+  from meshmoe import xla_flags
+  from meshmoe.config import ConfigError
+
+  try:
+    config.validate(_DEVICES.value)
+    xla_flags.apply(config.parallel.xla_flags)
+    from meshmoe import aot
+
+    report = aot.analyze(config, _TARGET.value, _DEVICES.value, _HOSTS.value)
+  except (ConfigError, RuntimeError, ValueError) as e:
+    sys.exit(f"error: {e}")
+  print(report.table())
+  if _HLO.value:
+    pathlib.Path(_HLO.value).write_text(report.hlo_text)
+    print(f"compiled HLO: {_HLO.value}")
+  if _OUT.value:
+    out = pathlib.Path(_OUT.value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.data, indent=1) + "\n")
+    print(f"report: {out}")
+  fits = report.data["memory"]["fits"]
+  sys.exit(3 if fits is False else 0)
+
+
+if __name__ == "__main__":
+  cli.define_config_flag(sys.argv[1:])
+  app.run(main)

@@ -1,0 +1,158 @@
+"""Compile the real train step for a GPU cluster this machine does not have, and report what it will cost.
+
+`analyze(config, target, num_devices, num_hosts)` builds the config's mesh on a deviceless GPU topology
+(deviceless.py) or on the local devices (`target="cpu"`), compiles the training step (forward, backward,
+optimizer; every micro-batch) against abstract state, and reads the compiled program:
+- memory: XLA's buffer assignment (arguments + outputs - donated aliases + temporaries) per device, next
+  to the device's memory and the cost model's estimate;
+- FLOPs: matmul FLOPs of the compiled program with loops counted per iteration (hlo_flops.py), next to
+  the model's useful FLOPs (with the recomputation remat adds) and the cost model's executed FLOPs;
+- collectives: every collective with its bytes per device per step and whether it overlaps independent
+  compute (hlo_collectives.py), next to the cost model's bytes per kind; `overlap_fraction` is the bytes
+  of overlapped collectives over all collective bytes.
+The JSON is DESIGN.md's contract: `memory.peak_bytes_per_device`, `flops.compiled`, `flops.model`,
+`collectives` ([{kind, bytes, overlapped}]) and `overlap_fraction`, plus the detail above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import re
+import time
+from typing import Any
+
+import jax
+
+from meshmoe import cost_collectives, cost_model, deviceless, hlo_collectives, hlo_flops, hlo_module, train_step
+from meshmoe.config import MESH_AXES, Config
+from meshmoe.sharding.mesh import make_mesh
+
+TARGETS = {"h100": "h100_sxm", "cpu": None}
+_REMAT_RECOMPUTE = {"none": 1.0, "dots": 1.0, "full": 4.0 / 3.0}  # forward again: 4 passes instead of 3
+
+
+@dataclasses.dataclass
+class Report:
+  data: dict[str, Any]  # the JSON report
+  hlo_text: str  # the compiled, scheduled module
+
+  def table(self) -> str:
+    return format_table(self.data)
+
+
+def device_memory_bytes(target: str) -> float | None:
+  """Memory of one device of a GPU target, from its XLA spec (None for the CPU)."""
+  spec_name = TARGETS[target]
+  if spec_name is None:
+    return None
+  spec = importlib.resources.files("meshmoe").joinpath(f"gpu_specs/{spec_name}.txtpb").read_text()
+  return float(re.search(r"device_memory_size:\s*(\d+)", spec)[1])
+
+
+def target_mesh(config: Config, target: str, num_devices: int, num_hosts: int) -> jax.sharding.Mesh:
+  if target not in TARGETS:
+    raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+  if target == "cpu":
+    devices = jax.devices()
+    if len(devices) != num_devices:
+      raise ValueError(f"--devices={num_devices} but this process has {len(devices)} CPU devices")
+    return make_mesh(config.mesh, devices)
+  devices = deviceless.gpu_devices(num_devices, TARGETS[target], num_hosts)
+  return make_mesh(config.mesh, devices)
+
+
+def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -> Report:
+  config.validate(num_devices)
+  mesh = target_mesh(config, target, num_devices, num_hosts)
+  trainer, state = train_step.create_abstract(config, mesh)
+  start = time.perf_counter()
+  compiled = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh)).compile()
+  compile_s = time.perf_counter() - start
+  module = hlo_module.parse(compiled.as_text())
+  platform = "cpu" if target == "cpu" else "gpu"
+  cost = cost_model.step_cost(config, num_devices, platform)
+  found = hlo_collectives.collectives(module, num_devices)
+  return Report({
+      "config": {"target": target, "devices": num_devices, "hosts": num_hosts,
+                 "mesh": dict(mesh.shape), "preset": config.mesh.preset, "impl": config.parallel.impl,
+                 "attention": config.parallel.attention, "xla_flags": config.parallel.xla_flags,
+                 "remat": config.model.remat, "dtype": config.model.dtype,
+                 "global_batch": config.train.global_batch_size, "seq_len": config.train.seq_len,
+                 "grad_accum_steps": config.train.grad_accum_steps},
+      "compile_seconds": round(compile_s, 2),
+      "memory": _memory(compiled, cost, target),
+      "flops": _flops(module, config, cost, num_devices),
+      "collectives": [{"kind": c.kind, "bytes": c.bytes, "overlapped": c.overlapped, "group_size": c.group_size,
+                       "count": c.count} for c in found if c.bytes > 0],
+      "collective_bytes_by_kind": _bytes_by_kind(found, cost),
+      "overlap_fraction": hlo_collectives.overlap_fraction(found),
+      "loops_with_unknown_trip_count": module.unknown_trip_counts,
+  }, compiled.as_text())
+
+
+def _memory(compiled, cost, target: str) -> dict[str, Any]:
+  m = compiled.memory_analysis()
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  capacity = device_memory_bytes(target)
+  return {"peak_bytes_per_device": peak, "arguments": m.argument_size_in_bytes,
+          "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+          "device_bytes": capacity, "fits": None if capacity is None else peak <= capacity,
+          "cost_model": dataclasses.asdict(cost.memory) | {"total": cost.memory.total}}
+
+
+def _flops(module, config: Config, cost, num_devices: int) -> dict[str, Any]:
+  compiled = hlo_flops.matmul_flops(module)
+  model = cost.model_flops / num_devices
+  with_remat = model * _REMAT_RECOMPUTE[config.model.remat]
+  executed = cost.executed_flops_per_device.total
+  return {"compiled": compiled, "model": model, "model_with_remat": with_remat, "cost_model_executed": executed,
+          "compiled_over_model_with_remat": compiled / with_remat,
+          "compiled_over_cost_model": compiled / executed if executed else None}
+
+
+def _bytes_by_kind(found, cost) -> dict[str, dict[str, float]]:
+  compiled = hlo_collectives.bytes_by_kind(found)
+  modelled = cost_collectives.bytes_by_kind(cost.collectives)
+  overlapped = hlo_collectives.bytes_by_kind([c for c in found if c.overlapped])
+  return {kind: {"compiled": compiled.get(kind, 0.0), "cost_model": modelled.get(kind, 0.0),
+                 "overlapped": overlapped.get(kind, 0.0)}
+          for kind in sorted(set(compiled) | set(modelled))}
+
+
+def format_table(report: dict[str, Any]) -> str:
+  """The report as text: cost model beside compiled figures, and the verdict on memory."""
+  c, mem, flops = report["config"], report["memory"], report["flops"]
+  gb = lambda b: f"{b / 1e9:9.2f} GB"
+  lines = [
+      f"{c['devices']} x {c['target']} ({c['hosts']} host(s)), mesh "
+      + " ".join(f"{a}={c['mesh'][a]}" for a in MESH_AXES) + f", preset {c['preset']}, impl {c['impl']}, "
+      f"attention {c['attention']}, xla_flags {c['xla_flags']}, remat {c['remat']}, {c['dtype']}; "
+      f"compiled in {report['compile_seconds']:.1f} s",
+      "",
+      "per device, per step          compiled        cost model",
+      f"matmul FLOPs             {flops['compiled'] / 1e12:10.3f} TF   {flops['cost_model_executed'] / 1e12:10.3f} TF"
+      f"   (useful {flops['model'] / 1e12:.3f} TF, with remat {flops['model_with_remat'] / 1e12:.3f} TF: "
+      f"compiled / useful = {flops['compiled_over_model_with_remat']:.2f})",
+      f"memory                   {gb(mem['peak_bytes_per_device'])}   {gb(mem['cost_model']['total'])}"
+      f"   (params {mem['cost_model']['params'] / 1e9:.2f}, grads {mem['cost_model']['gradients'] / 1e9:.2f}, "
+      f"optimizer {mem['cost_model']['optimizer'] / 1e9:.2f}, activations "
+      f"{mem['cost_model']['activations'] / 1e9:.2f} GB)",
+      "collective bytes          compiled      cost model    overlapped",
+  ]
+  for kind, row in report["collective_bytes_by_kind"].items():
+    share = row["overlapped"] / row["compiled"] if row["compiled"] else 0.0
+    lines.append(f"  {kind:21s} {row['compiled'] / 1e6:10.1f} MB {row['cost_model'] / 1e6:10.1f} MB"
+                 f"   {100 * share:5.1f}%")
+  lines.append(f"overlap_fraction {report['overlap_fraction']:.3f} (bytes of collectives that run beside "
+               "independent compute / all collective bytes)")
+  if report["loops_with_unknown_trip_count"]:
+    lines.append(f"note: {report['loops_with_unknown_trip_count']} loop(s) without a known trip count were "
+                 "counted once")
+  if mem["fits"] is None:
+    lines.append("memory verdict: CPU target, no device memory limit")
+  else:
+    verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
+    lines.append(f"memory verdict: {verdict}: peak {gb(mem['peak_bytes_per_device']).strip()} of "
+                 f"{gb(mem['device_bytes']).strip()} per device ({100 * mem['peak_bytes_per_device'] / mem['device_bytes']:.0f}%)")
+  return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""The AOT report (meshmoe.aot, experiments.aot): the real train step compiled deviceless for 8 H100s and
+for the local CPU devices, held to the cost model; the command line's output, JSON and exit status.
+
+Tolerances: matmul FLOPs within 10% of the cost model's executed FLOPs, memory within 20%, the bytes of
+the collectives only the parallel ops issue within 1% (+64 KB of GSPMD's int32 position traffic), all as
+in test_cost_model.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.configs import tiny_moe
+from meshmoe import aot
+from meshmoe.config import MeshConfig, ParallelConfig
+
+EXPLICIT_KINDS = ("all-to-all", "ragged-all-to-all", "reduce-scatter", "collective-permute")
+
+
+def _config(sizes=(2, 2, 1, 2), preset="megascale", impl="reference", attention="allgather"):
+  config = tiny_moe.get_config()
+  data, expert, tensor, sequence = sizes
+  config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
+  config.parallel = ParallelConfig(impl=impl, attention=attention)
+  return config
+
+
+def _check_against_cost_model(report):
+  flops, memory = report["flops"], report["memory"]
+  assert flops["compiled_over_cost_model"] == pytest.approx(1.0, abs=0.10), flops
+  assert memory["peak_bytes_per_device"] == pytest.approx(memory["cost_model"]["total"], rel=0.20), memory
+  for kind, row in report["collective_bytes_by_kind"].items():
+    if kind in EXPLICIT_KINDS:
+      assert row["compiled"] == pytest.approx(row["cost_model"], rel=0.01, abs=64e3), (kind, row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["h100", "cpu"])
+def test_report_holds_the_contract_and_matches_the_cost_model(target):
+  report = aot.analyze(_config(), target, 8).data
+  assert isinstance(report["memory"]["peak_bytes_per_device"], int) and report["memory"]["peak_bytes_per_device"] > 0
+  assert report["flops"]["compiled"] > report["flops"]["model"] > 0
+  assert report["collectives"] and all(set(c) >= {"kind", "bytes", "overlapped"} for c in report["collectives"])
+  assert 0.0 <= report["overlap_fraction"] <= 1.0
+  kinds = {c["kind"] for c in report["collectives"]}
+  # Expert parallelism moves tokens with ragged all-to-alls on GPUs and padded all-to-alls on CPUs.
+  assert ("ragged-all-to-all" in kinds) == (target == "h100")
+  if target == "cpu":  # XLA:CPU runs every collective synchronously
+    assert report["overlap_fraction"] == 0.0 and report["memory"]["fits"] is None
+  else:
+    assert report["memory"]["fits"] is True and report["memory"]["device_bytes"] == 84942979072
+  _check_against_cost_model(report)
+  assert "memory verdict" in aot.format_table(report)
+
+
+def _cli(*args, env_flags: str = "") -> subprocess.CompletedProcess:
+  env = dict(os.environ, XLA_FLAGS=env_flags)
+  return subprocess.run([sys.executable, "-m", "experiments.aot", *args], env=env, capture_output=True,
+                        text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+@pytest.mark.slow
+def test_command_line_writes_the_report_and_says_whether_it_fits(tmp_path):
+  out = tmp_path / "report.json"
+  result = _cli("--target=h100", "--devices=8", "--hosts=2", f"--out={out}", "--config.mesh.preset=ep",
+                "--config.mesh.data=2", "--config.mesh.expert=4", "--config.parallel.xla_flags=none")
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["config"]["hosts"] == 2 and report["config"]["mesh"]["expert"] == 4
+  assert "memory verdict: FITS" in result.stdout
+  # 40,000 sequences per step do not fit 80 GB: the verdict says so and the exit status is 3.
+  too_big = _cli("--target=h100", "--devices=8", "--config.train.global_batch_size=40000",
+                 "--config.parallel.xla_flags=none")
+  assert too_big.returncode == 3, too_big.stderr[-3000:]
+  assert "memory verdict: DOES NOT FIT" in too_big.stdout
+
+
+def test_command_line_rejects_bad_input_in_one_line():
+  uneven = _cli("--target=h100", "--devices=8", "--hosts=3")
+  assert uneven.returncode != 0 and "does not split evenly over --hosts=3" in uneven.stderr
+  mesh = _cli("--target=h100", "--devices=6", "--config.mesh.expert=4")
+  assert mesh.returncode != 0
+  assert "error: config.mesh.data=-1 is invalid" in mesh.stderr and "Traceback" not in mesh.stderr
