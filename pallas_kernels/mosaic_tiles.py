@@ -1,0 +1,120 @@
+"""Tile GEMM building blocks shared by the Mosaic GPU kernels (Hopper: TMA copies and WGMMA).
+
+A kernel computes one output tile at a time: `matmul_tile` streams the K dimension of an A row block and
+a B column block through shared memory (a pipeline of `stages` TMA loads ahead of the WGMMA that
+consumes them) into a float32 accumulator; `store_tile` writes a tile through shared memory to global
+memory (local or a peer's); `load_tile` reads one. The grouped GEMM tiles of the MoE kernels are the same
+tile over one expert's weights. These are written here rather than taken from tokamax, whose Mosaic GPU
+GEMMs read the live device at trace time and so cannot be compiled for GPUs this machine does not have,
+and because the fused kernels need hooks inside the K loop (forwarding each A tile to a peer as it is
+loaded, by the all-gather GEMM).
+
+Legend: M rows, N columns, K contraction of one tile GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# WGMMA multiplies 16-bit floating point inputs (float32 would need TF32 and different tiles).
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+H100_SMS = 132
+# Hopper's shared memory per block (opt-in maximum, the figure XLA's H100 spec gives).
+SHARED_MEMORY_BYTES = 232_448
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Tile sizes of a kernel's GEMMs. block_m 64 is one warpgroup's WGMMA height; block_k 64 bf16 values
+  are one 128-byte swizzled row; `stages` TMA loads are in flight ahead of the WGMMA."""
+
+  block_m: int = 64
+  block_n: int = 128
+  block_k: int = 64
+  stages: int = 4
+
+  def shared_memory_bytes(self, itemsize: int) -> int:
+    """Shared memory of one tile GEMM: the pipeline's A and B buffers and the output tile."""
+    pipeline = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
+    return pipeline + self.block_m * self.block_n * max(itemsize, 4)
+
+
+DEFAULT_TILES = Tiles()
+
+
+def unsupported(dtype, shapes: dict[str, tuple[int, int]], tiles: Tiles) -> str | None:
+  """Why the tile kernels cannot run these GEMMs (None when they can). `shapes` names each GEMM's
+  (rows, cols) pair per tiled dimension, e.g. {"M": (m, block_m), ...}."""
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} (the GPU kernels multiply bfloat16 or float16)"
+  for name, (size, block) in shapes.items():
+    if size % block:
+      return f"{name}={size} is not a multiple of its tile {block}"
+  if tiles.shared_memory_bytes(jnp.dtype(dtype).itemsize) > SHARED_MEMORY_BYTES:
+    return f"tiles {tiles} need more than {SHARED_MEMORY_BYTES} bytes of shared memory"
+  return None
+
+
+def matmul_tile(a_gmem, b_gmem, tiles: Tiles,
+                on_a_tile: Callable[[jax.Array, object], None] | None = None) -> jax.Array:
+  """a_gmem [block_m, K] @ b_gmem [K, block_n] as a float32 value. `on_a_tile(k_index, a_smem)` runs
+  for each A tile once it is in shared memory (before the buffer is reused), e.g. to send it on."""
+  k = a_gmem.shape[1]
+
+  def step(indices, a_smem, b_smem, acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    if on_a_tile is not None:
+      on_a_tile(indices[0], a_smem)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the A buffer is refilled after this step
+    plgpu.wgmma_wait(0)
+
+  def accumulate(acc_ref):
+    plgpu.emit_pipeline(
+        functools.partial(_with_acc, step, acc_ref),
+        grid=(k // tiles.block_k,),
+        in_specs=[plgpu.BlockSpec((tiles.block_m, tiles.block_k), lambda ki: (0, ki)),
+                  plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda ki: (ki, 0))],
+        max_concurrent_steps=tiles.stages,
+    )(a_gmem, b_gmem)
+    return acc_ref[...]
+
+  return pl.run_scoped(accumulate, plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32))
+
+
+def _with_acc(step, acc_ref, indices, a_smem, b_smem):
+  step(indices, a_smem, b_smem, acc_ref)
+
+
+def store_tile(value: jax.Array, dst_gmem) -> None:
+  """Writes a tile value to `dst_gmem` (any global ref, a peer's too) through shared memory and waits
+  until the write is complete (so a semaphore signalled next orders after it)."""
+
+  def store(tile_smem):
+    tile_smem[...] = value.astype(tile_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile_smem, dst_gmem)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  pl.run_scoped(store, plgpu.SMEM(value.shape, dst_gmem.dtype))
+
+
+def load_tile(src_gmem) -> jax.Array:
+  """A tile of global memory as a value (through shared memory)."""
+
+  def load(tile_smem, barrier):
+    plgpu.copy_gmem_to_smem(src_gmem, tile_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return tile_smem[...]
+
+  return pl.run_scoped(load, plgpu.SMEM(src_gmem.shape, src_gmem.dtype), plgpu.Barrier())
+
+
+def compiler_params() -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
