@@ -1,0 +1,69 @@
+"""The two Comet kernels (dispatch + grouped GEMM, grouped GEMM + return) of one backend, as a pair, and
+the expert weight gradients both backward passes need.
+
+Each kernel is the other's backward: the input gradient of dispatch + GEMM is the products' gradients
+through the transposed weights, sent home (grouped GEMM + return); the input gradient of GEMM + return is
+the returned rows' gradients sent to the experts the way the tokens went and multiplied by the
+transposed weights (dispatch + grouped GEMM). Both use the same tile plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic, tpu as dispatch_tpu
+from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu as return_mosaic, tpu as return_tpu
+from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.ring import Axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Static choices of a fused call: the backend ("tpu_interpret" or "mosaic_gpu") and, for Mosaic GPU,
+  its tiles (block_m is the plan's tile height) and the number of thread blocks."""
+
+  backend: str
+  tiles: Tiles = mosaic_tiles.DEFAULT_TILES
+  num_sms: int = mosaic_tiles.H100_SMS
+
+  def __post_init__(self):
+    if self.backend not in ("tpu_interpret", "mosaic_gpu"):
+      raise ValueError(f"fused backends are 'tpu_interpret' and 'mosaic_gpu', not {self.backend!r}")
+
+
+def dispatch_gemm(options: Options, axes: Axes) -> Callable:
+  """(xs_SD, weights, plan) -> (xr_RD, *products) on `options.backend`."""
+  if options.backend == "tpu_interpret":
+    return functools.partial(dispatch_tpu.dispatch_gemm, axes=axes, interpret=ring.INTERPRET_PARAMS)
+  return functools.partial(dispatch_mosaic.dispatch_gemm, axes=axes, tiles=options.tiles,
+                           num_sms=options.num_sms)
+
+
+def gemm_return(options: Options, axes: Axes) -> Callable:
+  """(hs, weights, plan) -> ret_SD on `options.backend`."""
+  if options.backend == "tpu_interpret":
+    return functools.partial(return_tpu.gemm_return, axes=axes, interpret=ring.INTERPRET_PARAMS)
+  return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_sms=options.num_sms)
+
+
+def expert_weight_gradient(rows_RD: jax.Array, grads_RF: jax.Array, plan: Plan, weight: jax.Array) -> jax.Array:
+  """[E_l, D, F] in `weight`'s dtype: for each local expert, its receive rows transposed times their
+  gradients. A receive buffer holds each expert's rows contiguously (moe_routing.py) and zeros past the
+  used tiles, so this is the transposed ragged dot over the plan's per-expert row counts. The pullback is
+  taken at `weight` itself (its value does not matter, the map is linear) so that the gradient has the
+  weight's varying-axis type: taken at a constant, autodiff would sum it over the devices."""
+  _, pullback = jax.vjp(lambda w: jax.lax.ragged_dot(rows_RD, w.astype(rows_RD.dtype), plan.expert_rows,
+                                                     preferred_element_type=jnp.float32), weight)
+  return pullback(grads_RF.astype(jnp.float32))[0].astype(weight.dtype)
+
+
+def transposed(weights) -> tuple[jax.Array, ...]:
+  """Each [E_l, X, Y] weight as [E_l, Y, X]."""
+  return tuple(jnp.swapaxes(w, 1, 2) for w in weights)

@@ -1,0 +1,69 @@
+"""MoE dispatch + grouped GEMM: the public function, which picks the implementation.
+
+  products = dispatch_gemm(rows_AD, weights, plan, axes, tile_rows=TM, backend=...)   # inside shard_map
+
+Each assignment's row (rows_AD, in assignment order) goes to the device holding its expert, into that
+device's receive buffer laid out by the tile plan (moe_routing.py), where it is multiplied by each of
+`weights` ([E_l, D, F_i], the local experts): products_i [R, F_i], zeros in unused tiles
+(reference.py). Backends: "reference" (all_gather and pick, plain autodiff), "tpu_interpret" (the
+TPU-style twin in Pallas' TPU interpreter) and "mosaic_gpu" (the Hopper kernel; `unsupported` says which
+shapes it takes). The fused backends share one custom gradient (moe_backends.py): the rows' gradient is
+the GEMM + return kernel of the products' gradients with the transposed weights, and the weights'
+gradients are per-expert products of the received rows (saved by the forward kernel) and the products'
+gradients. `meshmoe.sharding.expert_parallel` calls this for `parallel.impl="pallas"`.
+
+Legend: A assignments, D model width, F_i weight widths, R receive rows (moe_routing.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+
+from meshmoe.pallas_kernels import moe_backends, moe_routing, mosaic_tiles, ring
+from meshmoe.pallas_kernels.moe_backends import Options
+from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu, reference
+from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu as return_mosaic
+from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+
+
+def dispatch_gemm(rows_AD: jax.Array, weights: Sequence[jax.Array], plan: Plan, axes, *, tile_rows: int,
+                  backend: str, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
+                  num_sms: int = mosaic_tiles.H100_SMS) -> tuple[jax.Array, ...]:
+  ring.check_backend(backend)
+  axes = ring.normalize_axes(axes)
+  xs_SD = moe_routing.send_buffer(rows_AD, plan, tile_rows, plan.send_dst.shape[0])
+  if backend == "reference":
+    return reference.dispatch_gemm(xs_SD, tuple(weights), plan, axes)[1:]
+  if backend == "mosaic_gpu" and tile_rows != tiles.block_m:
+    raise ValueError(f"the plan's tile_rows={tile_rows} must be the kernel's block_m={tiles.block_m}")
+  return _fused(Options(backend, tiles, num_sms), axes, xs_SD, tuple(weights), plan)
+
+
+def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:
+  """Why the Mosaic GPU kernels cannot take these widths, forward or backward (None when they can)."""
+  return mosaic_gpu.unsupported(d, widths, dtype, tiles) or return_mosaic.unsupported(widths, d, dtype, tiles)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(options: Options, axes, xs_SD, weights, plan):
+  return _forward(options, axes, xs_SD, weights, plan)[0]
+
+
+def _forward(options, axes, xs_SD, weights, plan):
+  xr_RD, *products = moe_backends.dispatch_gemm(options, axes)(xs_SD, weights, plan)
+  return tuple(products), (xr_RD, weights, plan)
+
+
+def _backward(options, axes, residuals, dproducts):
+  xr_RD, weights, plan = residuals
+  dproducts = tuple(d.astype(xr_RD.dtype) for d in dproducts)
+  dxs_SD = moe_backends.gemm_return(options, axes)(dproducts, moe_backends.transposed(weights), plan)
+  dweights = tuple(moe_backends.expert_weight_gradient(xr_RD, d, plan, w) for d, w in zip(dproducts, weights))
+  return dxs_SD, dweights, None
+
+
+_fused.defvjp(_forward, _backward)
