@@ -58,7 +58,7 @@ from meshmoe.sharding import parallel
 from meshmoe.sharding.shardings import current
 
 KINDS = ("allgather", "ring", "ulysses")
-IMPLS = ("reference", "xla")
+IMPLS = ("reference", "xla", "pallas")  # no attention kernel: "pallas" runs the xla tier
 _MASKED = -1e30  # finite, so a fully masked block gives exp(0) * 0 = 0 instead of NaN
 
 
@@ -102,7 +102,7 @@ def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, kind: str, axis_names: 
     return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS)
   if kind == "allgather":
     return _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
-  if kind == "ring" and impl == "xla":
+  if kind == "ring" and impl in ("xla", "pallas"):
     return _zigzag_ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
   if kind == "ring":
     return _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)

@@ -26,6 +26,10 @@ Tiers (`ParallelConfig.impl`, DESIGN.md): `reference` runs steps 1-5 once over a
 one chunk's exchanges overlap another chunk's GEMM (sharding/moe_pipeline.py: the schedule, buffer sizes
 and bytes moved). Both are built from the same three stages: `_send` (steps 1-3), `_compute` (4) and
 `_receive` (5). With ep == 1 nothing is exchanged and both are the one-device computation.
+`pallas` (on Hopper GPUs, for widths the kernels tile) runs steps 2-5 as two fused kernels over a tile
+plan (meshmoe.pallas_kernels.moe_routing): dispatch + the gate/up grouped GEMM, each tile's GEMM starting
+when its rows arrive, then the down projection + the return of each finished tile to its owner, where
+step 5's combine sums each token's rows. Elsewhere it runs the `xla` tier.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from meshmoe.config import ParallelConfig
+from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
+from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_kernel
+from meshmoe.pallas_kernels.moe_gemm_combine import api as combine_kernel
 from meshmoe.sharding import dispatch, moe_pipeline, parallel
 from meshmoe.sharding.dispatch import ExpertWeights
 from meshmoe.sharding.shardings import current
@@ -73,8 +80,15 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
       # Tokens are the same on every width slice; marking them as differing here puts the backward's sum
       # over those slices on the [B, S, D] input instead of on the padded dispatch buffers inside.
       x_BSD, weights_BSK = (jax.lax.pcast(a, reduce, to="varying") for a in (x_BSD, weights_BSK))
-    y_BSD = _expert_parallel(x_BSD, experts_BSK, weights_BSK, w, axes=expert_axes, ep=ep, ragged=ragged,
-                             impl=gemm_impl, block_rows=block_rows, chunks=chunks)
+    kernel = ep > 1 and parallel.fused_kernel_backend(
+        ctx, "MoE dispatch/combine", dispatch_kernel.unsupported(x_BSD.shape[-1], [w.gate_EDF.shape[-1]] * 2,
+                                                                 x_BSD.dtype))
+    if kernel:
+      y_BSD = _fused_expert_parallel(x_BSD, experts_BSK, weights_BSK, w, axes=expert_axes, backend=kernel,
+                                     num_sms=parallel.num_sms(ctx))
+    else:
+      y_BSD = _expert_parallel(x_BSD, experts_BSK, weights_BSK, w, axes=expert_axes, ep=ep, ragged=ragged,
+                               impl=gemm_impl, block_rows=block_rows, chunks=chunks)
     if gather:
       y_BSD = jax.lax.psum_scatter(y_BSD, gather, scatter_dimension=token_dim, tiled=True)
     if reduce:
@@ -90,9 +104,9 @@ def _num_chunks(config: ParallelConfig) -> int:
   """Chunks of each device's tokens that the tier pipelines: 1 for `reference`, `moe_chunks` for `xla`."""
   if config.impl == "reference":
     return 1
-  if config.impl == "xla":
+  if config.impl in ("xla", "pallas"):  # "pallas" where the fused kernels do not apply
     return config.moe_chunks
-  raise ValueError(f"expert parallelism has no {config.impl!r} tier; known: 'reference', 'xla'")
+  raise ValueError(f"expert parallelism has no {config.impl!r} tier; known: 'reference', 'xla', 'pallas'")
 
 
 def _expert_parallel(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, *, axes: parallel.Axes, ep: int,
@@ -109,6 +123,26 @@ def _expert_parallel(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, *, axes:
       functools.partial(_receive, exchange=exchange, ep=ep),
       x_BSD.reshape(b * s, d), experts_BSK.reshape(b * s, k), weights_BSK.reshape(b * s, k), chunks)
   return y_TD.reshape(b, s, d)
+
+
+def _fused_expert_parallel(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, *, axes: parallel.Axes,
+                           backend: str, num_sms: int) -> jax.Array:
+  """Steps 2-5 as the two fused MoE kernels (module docstring) on `backend`."""
+  b, s, d = x_BSD.shape
+  k = experts_BSK.shape[-1]
+  token_A = jnp.arange(b * s * k) // k
+  # The kernels' custom gradients need the rows and the weights to vary over the same mesh axes (the
+  # weights' gradients are then summed over the token axes, as autodiff would).
+  union = tuple(dict.fromkeys(parallel.varying_axes(x_BSD) + parallel.varying_axes(w.gate_EDF)))
+  x_TD = parallel.vary_over(x_BSD.reshape(b * s, d), union)
+  gate, up, down = (parallel.vary_over(a.astype(x_BSD.dtype), union) for a in (w.gate_EDF, w.up_EDF, w.down_EFD))
+  tile_rows = mosaic_tiles.DEFAULT_TILES.block_m
+  plan = moe_routing.make_plan(experts_BSK.reshape(-1), axes, w.num_experts, tile_rows)
+  gate_RF, up_RF = dispatch_kernel.dispatch_gemm(x_TD[token_A], (gate, up), plan, axes, tile_rows=tile_rows,
+                                                 backend=backend, num_sms=num_sms)
+  y_AD = combine_kernel.gemm_return((dispatch.swiglu_hidden(gate_RF, up_RF),), (down,), plan, axes,
+                                    backend=backend, num_sms=num_sms)
+  return dispatch.combine(y_AD, weights_BSK.reshape(-1), token_A, b * s).reshape(b, s, d)
 
 
 def _gathered_token_dim(x_spec, width_axes) -> tuple[int, parallel.Axes]:

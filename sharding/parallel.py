@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+from absl import logging
 from jax.sharding import PartitionSpec
 
 from meshmoe.sharding.rules import logical_to_spec
@@ -73,3 +74,42 @@ def shard_map(ctx: ShardingContext, body: Callable, in_specs, out_specs) -> Call
       return body(*args)
 
   return jax.shard_map(per_device_body, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def fused_kernel_backend(ctx: ShardingContext, op: str, unsupported: str | None = None) -> str | None:
+  """The backend of the `pallas` tier's fused kernel for `op` on this mesh: "mosaic_gpu" on GPUs when the
+  kernel takes the shapes (`unsupported` is None), else None, and the op runs its `xla` tier (said once
+  per reason in the log). `parallel.kernel_backend="reference"` picks the kernels' plain-collective
+  references instead, on any platform and shape."""
+  if ctx.parallel.impl != "pallas":
+    return None
+  if ctx.parallel.kernel_backend == "reference":
+    return "reference"
+  platform = ctx.mesh.devices.flat[0].platform
+  reason = unsupported if platform == "gpu" else f"no fused kernels on {platform} (Mosaic GPU needs GPUs)"
+  if reason is None:
+    return "mosaic_gpu"
+  if (op, reason) not in _FALLBACKS_LOGGED:
+    _FALLBACKS_LOGGED.add((op, reason))
+    logging.warning("parallel.impl='pallas': %s runs its xla tier: %s", op, reason)
+  return None
+
+
+def num_sms(ctx: ShardingContext) -> int:
+  """Streaming multiprocessors of the mesh's GPUs (the fused kernels launch one thread block on each)."""
+  return int(getattr(ctx.mesh.devices.flat[0], "core_count", 132))
+
+
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+def varying_axes(a: jax.Array) -> Axes:
+  """The mesh axes `a` varies over (inside shard_map), sorted."""
+  return tuple(sorted(jax.typeof(a).manual_axis_type.varying))
+
+
+def vary_over(a: jax.Array, axes: Axes) -> jax.Array:
+  """`a` marked as varying over all of `axes`: its gradient is then summed over the added axes in the
+  backward pass, as autodiff does where an invariant operand meets a varying one."""
+  missing = without(axes, varying_axes(a))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a

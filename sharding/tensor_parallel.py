@@ -25,15 +25,24 @@ Tiers (`ParallelConfig.impl`, DESIGN.md):
   bytes per device as the reference. Where there is nothing to gather or scatter (no tp axes, or the
   psum-only layouts such as megascale's heads over `tensor`) there is no collective to split and the
   `xla` tier is the reference computation.
+- `pallas`: the same gathers and scatters as one fused kernel each on Hopper GPUs
+  (meshmoe.pallas_kernels: all-gather + GEMM for project_in, with q, k and v as one GEMM over their
+  concatenated weights; GEMM + reduce-scatter for project_out; each the other's backward). The kernels
+  take 2-D row blocks, so a [B, S, D] block is B*S rows and the gathered [P, B*S, N] result is reordered
+  to [B, P*S, N] (a copy when B > 1). Elsewhere, or for shapes the kernels do not tile, the `xla` tier.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from meshmoe.pallas_kernels.allgather_matmul import api as allgather_kernel
+from meshmoe.pallas_kernels.matmul_reducescatter import api as scatter_kernel
 from meshmoe.sharding import collective_matmul, parallel
 from meshmoe.sharding.shardings import current
 
@@ -59,7 +68,7 @@ def project_in(x_BSD: jax.Array, weights: Sequence[jax.Array],
                for spec, names in zip(w_specs, logical)]
 
   replicated = parallel.without(tp_axes, gather)
-  ring = bool(gather) and ctx.parallel.impl == "xla"
+  ring = bool(gather) and ctx.parallel.impl in ("xla", "pallas")
   # The ring's custom gradient needs x and the weights to vary over the same mesh axes.
   ring_axes = tuple(dict.fromkeys(parallel.all_axes(x_spec) + tp_axes))
 
@@ -67,6 +76,12 @@ def project_in(x_BSD: jax.Array, weights: Sequence[jax.Array],
     if ring:
       x_BSD = _vary(x_BSD, ring_axes, parallel.all_axes(x_spec))
       weights = [_vary(w, ring_axes, parallel.all_axes(spec)) for w, spec in zip(weights, w_specs)]
+      b, s, d = x_BSD.shape  # one device's block; the weights' output widths are its shares too
+      width = sum(math.prod(w.shape[1:]) for w in weights)
+      kernel = parallel.fused_kernel_backend(ctx, "project_in (all-gather GEMM)",
+                                             allgather_kernel.unsupported(b * s, d, width, x_BSD.dtype))
+      if kernel:
+        return _fused_allgather_matmul(x_BSD, weights, gather, kernel, parallel.num_sms(ctx))
       return list(collective_matmul.allgather_matmul(x_BSD, weights, gather))
     if gather:
       x_BSD = jax.lax.all_gather(x_BSD, gather, axis=1, tiled=True)
@@ -95,13 +110,20 @@ def project_out(y: jax.Array, w: jax.Array, logical: Sequence[str | None]) -> ja
   y_spec = parallel.spec_of(parallel.dim_axes(res_spec, 0), parallel.without(seq_axes, scatter),
                             *(parallel.dim_axes(w_spec, i) for i in range(len(logical) - 1)))
 
-  ring = bool(scatter) and ctx.parallel.impl == "xla"
+  ring = bool(scatter) and ctx.parallel.impl in ("xla", "pallas")
   ring_axes = tuple(dict.fromkeys(parallel.all_axes(y_spec) + tp_axes))
 
   def body(y, w):
     if ring:
       y, w = _vary(y, ring_axes, parallel.all_axes(y_spec)), _vary(w, ring_axes, tp_axes)
-      out_BSD = collective_matmul.matmul_reducescatter(y, w, scatter)
+      rows = y.shape[0] * y.shape[1] // parallel.axis_size(ctx, scatter)  # of one destination block
+      kernel = parallel.fused_kernel_backend(
+          ctx, "project_out (GEMM reduce-scatter)",
+          scatter_kernel.unsupported(rows, math.prod(w.shape[:-1]), w.shape[-1], y.dtype))
+      if kernel:
+        out_BSD = _fused_matmul_reducescatter(y, w, scatter, kernel, parallel.num_sms(ctx))
+      else:
+        out_BSD = collective_matmul.matmul_reducescatter(y, w, scatter)
       return jax.lax.psum(out_BSD, reduce) if reduce else out_BSD
     out_BSD = _matmul_out(y, w)
     if scatter:
@@ -127,3 +149,29 @@ def _matmul_in(x_BSD: jax.Array, w: jax.Array) -> jax.Array:
 def _matmul_out(y: jax.Array, w: jax.Array) -> jax.Array:
   contracted = w.ndim - 1
   return jnp.tensordot(y, w, axes=[list(range(y.ndim - contracted, y.ndim)), list(range(contracted))])
+
+
+
+def _fused_allgather_matmul(x_BSD, weights, axes, backend: str, num_sms: int) -> list[jax.Array]:
+  """[all_gather(x_BSD, axes, axis=1, tiled=True) @ w for w in weights] as one all-gather GEMM kernel over
+  the weights side by side."""
+  b, s, d = x_BSD.shape
+  widths = [math.prod(w.shape[1:]) for w in weights]
+  w_KN = jnp.concatenate([w.reshape(d, -1) for w in weights], axis=1)
+  out_PMN = allgather_kernel.allgather_matmul(x_BSD.reshape(b * s, d), w_KN, axes, backend=backend,
+                                              num_sms=num_sms)
+  p = out_PMN.shape[0]
+  out_BSN = out_PMN.reshape(p, b, s, -1).transpose(1, 0, 2, 3).reshape(b, p * s, -1)
+  splits = jnp.split(out_BSN, list(itertools.accumulate(widths))[:-1], axis=2)
+  return [part.reshape(b, p * s, *w.shape[1:]) for part, w in zip(splits, weights)]
+
+
+def _fused_matmul_reducescatter(y, w, axes, backend: str, num_sms: int) -> jax.Array:
+  """psum_scatter(y @ w, axes, scatter_dimension=1, tiled=True) as one GEMM reduce-scatter kernel: y
+  [B, P*S, ...] becomes P destination blocks of B*S rows."""
+  b, ps, d = y.shape[0], y.shape[1], w.shape[-1]
+  p = math.prod(jax.lax.axis_size(a) for a in axes)
+  s = ps // p
+  y_PMK = y.reshape(b, p, s, -1).transpose(1, 0, 2, 3).reshape(p, b * s, -1)
+  out_MN = scatter_kernel.matmul_reducescatter(y_PMK, w.reshape(-1, d), axes, backend=backend, num_sms=num_sms)
+  return out_MN.reshape(b, s, d)

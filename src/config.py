@@ -15,8 +15,9 @@ from typing import Any
 
 MESH_AXES = ("data", "expert", "tensor", "sequence")
 PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
-# Parallel-op tiers (DESIGN.md). Only the tiers that exist are accepted.
-IMPLS = ("reference", "xla")
+# Parallel-op tiers (DESIGN.md).
+IMPLS = ("reference", "xla", "pallas")
+KERNEL_BACKENDS = ("auto", "reference")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
 XLA_FLAG_PRESETS = ("none", "overlap", "overlap_windowed_einsum")  # meshmoe.xla_flags.PRESETS
 DTYPES = ("float32", "bfloat16")
@@ -95,10 +96,16 @@ class MeshConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
-  # Parallel-op tier (DESIGN.md): "reference" (plain collectives under shard_map) or "xla" (decomposed so
+  # Parallel-op tier (DESIGN.md): "reference" (plain collectives under shard_map), "xla" (decomposed so
   # that XLA's asynchronous collectives overlap independent compute: ring collective matmuls, a chunked
-  # MoE dispatch/GEMM/combine pipeline, ring attention that overlaps each transfer with a block).
+  # MoE dispatch/GEMM/combine pipeline, ring attention that overlaps each transfer with a block) or
+  # "pallas" (fused communication + GEMM kernels of meshmoe.pallas_kernels on Hopper GPUs; an op runs
+  # its "xla" tier where no kernel applies: other platforms, shapes the kernels do not tile, attention).
   impl: str = "reference"
+  # impl="pallas": "auto" runs the Mosaic GPU kernels on Hopper GPUs (each op's "xla" tier elsewhere);
+  # "reference" runs the tier's layouts with each kernel replaced by its plain-collective reference, on any
+  # platform (to check the tier on CPU).
+  kernel_backend: str = "auto"
   # Attention over a sequence split across devices (sharding/context_parallel.py): "allgather" (gather
   # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
   # from sequence-split to head-split; needs the KV heads divisible by the sequence split).
@@ -192,6 +199,7 @@ class Config:
     _validate_checkpoint_and_sample(self.checkpoint, self.sample)
     _validate_mesh(self.mesh)
     _check_choice("parallel.impl", self.parallel.impl, IMPLS)
+    _check_choice("parallel.kernel_backend", self.parallel.kernel_backend, KERNEL_BACKENDS)
     _check_choice("parallel.attention", self.parallel.attention, ATTENTION_KINDS)
     _check_positive_int("parallel.moe_chunks", self.parallel.moe_chunks)
     _check_choice("parallel.xla_flags", self.parallel.xla_flags, XLA_FLAG_PRESETS)

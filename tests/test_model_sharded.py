@@ -61,12 +61,12 @@ def _single_device(variant: str, config: Config) -> tuple[float, dict]:
 
 
 def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: str = "allgather",
-                  heads: tuple[int, int] = (4, 2)):
+                  heads: tuple[int, int] = (4, 2), parallel: ParallelConfig | None = None):
   ref_loss, ref_grads = _single_device(variant, small_config(heads, **moe_overrides))
   config = small_config(heads, **moe_overrides)
   data, expert, tensor, sequence = sizes
   config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
-  config.parallel = ParallelConfig(attention=attention)
+  config.parallel = parallel or ParallelConfig(attention=attention)
   loss, grads = _loss_and_grads(config, jax.devices())
   assert_close(loss, ref_loss, FP32_MODEL_RTOL, "loss")
   assert grads.keys() == ref_grads.keys()
@@ -108,3 +108,22 @@ def test_capacity_model_matches_single_device(sizes, preset):
 def test_sigmoid_bias_ragged_dot_model_matches_single_device():
   overrides = {"score_fn": "sigmoid", "expert_bias": True, "gemm_impl": "ragged_dot", "routed_scaling": 2.0}
   _check_layout("sigmoid_ragged", overrides, (2, 2, 2, 1), "tp_sp")
+
+
+# The pallas tier's data layouts (the MoE tile plan, the collective GEMMs' row blocks and concatenated
+# weights, the custom gradients' plumbing) with each kernel replaced by its plain-collective reference:
+# the same layouts the Mosaic GPU kernels use on GPUs, checked on CPU.
+PALLAS_LAYOUTS = [((2, 4, 1, 1), "ep"), ((2, 2, 2, 1), "tp_sp"), ((1, 4, 2, 1), "megascale"),
+                  ((1, 2, 1, 4), "megascale")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset", PALLAS_LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in PALLAS_LAYOUTS])
+def test_pallas_tier_layouts_match_single_device(sizes, preset):
+  _check_layout("dropless", {}, sizes, preset, parallel=ParallelConfig(impl="pallas", kernel_backend="reference"))
+
+
+@pytest.mark.slow
+def test_pallas_tier_with_capacity_drops_matches_single_device():
+  _check_layout("capacity", {"capacity_factor": 0.75}, (2, 4, 1, 1), "ep",
+                parallel=ParallelConfig(impl="pallas", kernel_backend="reference"))
