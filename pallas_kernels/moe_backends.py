@@ -1,6 +1,8 @@
 """The two Comet kernels (dispatch + grouped GEMM, grouped GEMM + return) of one backend, as a pair, and
 the expert weight gradients both backward passes need.
 
+
+The expert weights' gradients are the grouped weight-gradient kernel's (../grouped_weight_gradient).
 Each kernel is the other's backward: the input gradient of dispatch + GEMM is the products' gradients
 through the transposed weights, sent home (grouped GEMM + return); the input gradient of GEMM + return is
 the returned rows' gradients sent to the experts the way the tokens went and multiplied by the
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic, tpu as dispatch_tpu
 from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu as return_mosaic, tpu as return_tpu
 from meshmoe.pallas_kernels.moe_routing import Plan
@@ -53,15 +56,13 @@ def gemm_return(options: Options, axes: Axes) -> Callable:
   return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_sms=options.num_sms)
 
 
-def expert_weight_gradient(rows_RD: jax.Array, grads_RF: jax.Array, plan: Plan, weight: jax.Array) -> jax.Array:
+def expert_weight_gradient(options: Options, rows_RD: jax.Array, grads_RF: jax.Array, plan: Plan,
+                           weight: jax.Array) -> jax.Array:
   """[E_l, D, F] in `weight`'s dtype: for each local expert, its receive rows transposed times their
-  gradients. A receive buffer holds each expert's rows contiguously (moe_routing.py) and zeros past the
-  used tiles, so this is the transposed ragged dot over the plan's per-expert row counts. The pullback is
-  taken at `weight` itself (its value does not matter, the map is linear) so that the gradient has the
-  weight's varying-axis type: taken at a constant, autodiff would sum it over the devices."""
-  _, pullback = jax.vjp(lambda w: jax.lax.ragged_dot(rows_RD, w.astype(rows_RD.dtype), plan.expert_rows,
-                                                     preferred_element_type=jnp.float32), weight)
-  return pullback(grads_RF.astype(jnp.float32))[0].astype(weight.dtype)
+  gradients. A receive buffer holds each expert's rows contiguously, in whole tiles (moe_routing.py)."""
+  return grouped_weight_gradient.weight_gradient(rows_RD, grads_RF, plan.expert_rows, weight,
+                                                 tile_rows=options.tiles.block_m, backend=options.backend,
+                                                 tiles=options.tiles, num_sms=options.num_sms)
 
 
 def transposed(weights) -> tuple[jax.Array, ...]:

@@ -50,6 +50,14 @@ def sizes(num_assignments: int, p: int, num_local_experts: int, tile_rows: int) 
   return send, p * (-(-num_assignments // tile_rows) + num_local_experts)
 
 
+def expected_rows(num_assignments: int, p: int, num_local_experts: int, tile_rows: int) -> tuple[float, float]:
+  """(rows a device computes, rows it sends to other devices) per call under balanced routing: its share
+  of all assignments plus half a tile of padding per group (P senders x E_l experts), the remote part
+  (P - 1) / P of what it sends. The kernels' own accounting (the cost model and the AOT report use it)."""
+  padding = p * num_local_experts * tile_rows / 2
+  return num_assignments + padding, (p - 1) / p * (num_assignments + padding)
+
+
 def make_plan(experts_A: jax.Array, axes: Axes, num_local_experts: int, tile_rows: int) -> Plan:
   """The plan for this device's assignments (global expert ids; id P * E_l marks a dropped one), inside
   jax.shard_map over the ring `axes`. Exchanges the group sizes (one small all_gather)."""

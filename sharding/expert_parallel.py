@@ -80,9 +80,10 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
       # Tokens are the same on every width slice; marking them as differing here puts the backward's sum
       # over those slices on the [B, S, D] input instead of on the padded dispatch buffers inside.
       x_BSD, weights_BSK = (jax.lax.pcast(a, reduce, to="varying") for a in (x_BSD, weights_BSK))
+    d, f = x_BSD.shape[-1], w.gate_EDF.shape[-1]
     kernel = ep > 1 and parallel.fused_kernel_backend(
-        ctx, "MoE dispatch/combine", dispatch_kernel.unsupported(x_BSD.shape[-1], [w.gate_EDF.shape[-1]] * 2,
-                                                                 x_BSD.dtype))
+        ctx, "MoE dispatch/combine", dispatch_kernel.unsupported(d, [f, f], x_BSD.dtype)
+        or combine_kernel.unsupported([f], d, x_BSD.dtype))
     if kernel:
       y_BSD = _fused_expert_parallel(x_BSD, experts_BSK, weights_BSK, w, axes=expert_axes, backend=kernel,
                                      num_sms=parallel.num_sms(ctx))

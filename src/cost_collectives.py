@@ -24,6 +24,7 @@ import math
 
 import jax.numpy as jnp
 
+from meshmoe import cost_kernels
 from meshmoe.config import Config, resolve_mesh_sizes
 from meshmoe.hlo_collectives import moved_bytes
 from meshmoe.sharding.rules import get_preset, logical_to_spec
@@ -32,7 +33,8 @@ from meshmoe.sharding.rules import get_preset, logical_to_spec
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
   op: str  # which parallel op (or "gradients") issues it
-  kind: str  # HLO name: all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute
+  kind: str  # HLO name (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute), or one of
+  # cost_kernels.FUSED_KINDS for communication inside a fused kernel
   group_size: int
   bytes: float  # per device, per training step, all occurrences together
 
@@ -76,18 +78,27 @@ def collective_costs(config: Config, num_devices: int, platform: str = "cpu") ->
   def add(op, kind, group, nbytes, forward: bool):
     count = t.grad_accum_steps * (forward_repeats if forward else 1) * per_layer[op]
     if group > 1 and nbytes:
-      costs.append(CollectiveCost(op, kind, group, count * moved_bytes(kind, group, nbytes)))
+      # A fused kernel's bytes are its own accounting of what it moves; a collective's, its result size.
+      moved = nbytes if kind in cost_kernels.FUSED_KINDS else moved_bytes(kind, group, nbytes)
+      costs.append(CollectiveCost(op, kind, group, count * moved))
 
   num_moe = m.num_layers - m.num_dense_layers
   per_layer = {"attention": m.num_layers, "dense_mlp": m.num_dense_layers,
                "shared_experts": num_moe if moe.num_shared_experts else 0, "moe": num_moe,
                "gradients": 1}
 
-  def projections(op, weight_logical_in):
-    tp_axes = tuple(dict.fromkeys(a for names in weight_logical_in for dim in lay.weight(*names) for a in dim))
+  def projections(op, weights_in):
+    """weights_in: (logical names, global width) of the block's in-projections; the first one's width is
+    the out-projection's contraction."""
+    tp_axes = tuple(dict.fromkeys(a for names, _ in weights_in for dim in lay.weight(*names) for a in dim))
     gather = tuple(a for a in seq_axes if a in tp_axes)
     g = lay.size(gather)
-    if lay.config.parallel.impl == "xla":  # rings: g-1 residual blocks per device and direction of use
+    if _projection_kernels(lay, weights_in):
+      nbytes = cost_kernels.projection_bytes(g, b_local * s_local, m.embed_dim, c)  # every direction the same
+      for forward in (True, False):  # project_in and project_out, each with its dual kernel backward
+        add(op, "fused all-gather", g, nbytes, forward)
+        add(op, "fused reduce-scatter", g, nbytes, forward)
+    elif lay.config.parallel.impl in ("xla", "pallas"):  # rings: g-1 residual blocks per device and direction
       for forward in (True, False):  # (collective_matmul.py: project_in, project_out, their transposes)
         for _ in range(2 * (g - 1)):
           add(op, "collective-permute", g, residual, forward)
@@ -100,13 +111,14 @@ def collective_costs(config: Config, num_devices: int, platform: str = "cpu") ->
     add(op, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
     add(op, "all-reduce", r, residual, False)  # project_in's input gradient over the same axes
 
-  projections("attention", [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")])
+  blocks = _projection_blocks(config)
+  projections("attention", blocks["attention"])
   _attention(lay, add, c, micro)
   if m.num_dense_layers:
-    projections("dense_mlp", [("embed", "mlp")])
+    projections("dense_mlp", blocks["dense_mlp"])
   if num_moe:
     if moe.num_shared_experts:
-      projections("shared_experts", [("embed", "mlp")])
+      projections("shared_experts", blocks["shared_experts"])
     _moe(lay, add, c, micro, residual, batch_axes, seq_axes)
   _weight_gradients(lay, costs)
   _weight_gathers(lay, costs)
@@ -150,11 +162,79 @@ def _moe(lay: _Layout, add, c: int, micro: int, residual: int, batch_axes, seq_a
   add("moe", "all-gather", g, residual * g + routing, True)
   add("moe", "reduce-scatter", g, residual + tokens * k * 4, False)
   ep = lay.size(expert_axes)
+  if _moe_kernels(lay):
+    _fused_moe(lay, add, c, int(tokens * k), ep, moe.num_experts // ep)
+  else:
+    _exchanges(lay, add, c, tokens, k, ep)
+  add("moe", "reduce-scatter", g, residual, True)
+  add("moe", "all-gather", g, residual * g, False)
+  r = lay.size(tuple(a for a in width_axes if a not in gather))
+  add("moe", "all-reduce", r, residual, True)
+  add("moe", "all-reduce", r, residual, False)
+
+
+def fused_ops(config: Config, num_devices: int, platform: str) -> set[str]:
+  """The ops ("attention", "dense_mlp", "shared_experts" projections, "moe") whose communication and GEMMs
+  run inside the `pallas` tier's fused kernels for this config (cost_kernels.py)."""
+  lay = _Layout(config, num_devices, platform)
+  ops = {op for op, weights_in in _projection_blocks(config).items() if _projection_kernels(lay, weights_in)}
+  return ops | ({"moe"} if _moe_kernels(lay) else set())
+
+
+def _projection_blocks(config: Config) -> dict[str, list]:
+  """Each tensor-parallel block's in-projections: (logical names, global width); the first one's width
+  is its out-projection's contraction."""
+  m, moe = config.model, config.model.moe
+  heads, kv_heads = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+  blocks = {"attention": [(heads, m.num_heads * m.head_dim), (kv_heads, m.num_kv_heads * m.head_dim),
+                          (kv_heads, m.num_kv_heads * m.head_dim)]}
+  if m.num_dense_layers:
+    blocks["dense_mlp"] = [(("embed", "mlp"), m.mlp_dim)] * 2
+  if moe.num_shared_experts and m.num_layers > m.num_dense_layers:
+    blocks["shared_experts"] = [(("embed", "mlp"), moe.num_shared_experts * moe.expert_mlp_dim)] * 2
+  return blocks
+
+
+def _projection_kernels(lay: _Layout, weights_in) -> bool:
+  """Whether a block's projections run the Flux kernels: a gather over tensor-parallel axes, and per-device
+  GEMM shapes the kernels tile."""
+  m, t = lay.config.model, lay.config.train
+  batch_axes, seq_axes = lay.act("act_batch", "act_seq")
+  tp_axes = {a for names, _ in weights_in for dim in lay.weight(*names) for a in dim}
+  if lay.size(tuple(a for a in seq_axes if a in tp_axes)) == 1:
+    return False
+  rows = (t.global_batch_size // t.grad_accum_steps // lay.size(batch_axes)) * (t.seq_len // lay.size(seq_axes))
+  local = [width / lay.size(tuple(a for dim in lay.weight(*names) for a in dim)) for names, width in weights_in]
+  return cost_kernels.projection_kernels_apply(lay.config, lay.platform, rows, m.embed_dim, local, local[0])
+
+
+def _moe_kernels(lay: _Layout) -> bool:
+  moe = lay.config.model.moe
+  expert_axes, _, width_axes = lay.weight("exp", "embed", "exp_mlp")
+  return cost_kernels.moe_kernels_apply(lay.config, lay.platform, lay.size(expert_axes),
+                                        moe.expert_mlp_dim / lay.size(width_axes))
+
+
+def _fused_moe(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
+  """The Comet kernels: the group sizes all-gathered (each forward; the backward reuses the plan), then
+  the dispatch and the return, each also run by the backward's dual kernel, all in the kernels."""
+  add("moe", "all-gather", ep, ep * ep * local_experts * 4, True)
+  _, remote_rows = cost_kernels.moe_rows(assignments, ep, local_experts)
+  nbytes = remote_rows * lay.config.model.embed_dim * c
+  for forward in (True, False):
+    add("moe", "fused all-to-all", ep, nbytes, forward)  # dispatch (backward: the return kernel)
+    add("moe", "fused all-to-all", ep, nbytes, forward)  # return (backward: the dispatch kernel)
+
+
+def _exchanges(lay: _Layout, add, c: int, tokens: float, k: int, ep: int) -> None:
+  """The reference and xla tiers' token exchanges (expert_parallel.py)."""
+  moe = lay.config.model.moe
   sent = tokens * k * lay.config.model.embed_dim * c  # [A, D]: this device's assignments
   buffer = ep * sent  # [ep, A, D]: the receive buffer, dropless worst case
   # Group sizes first, once per chunk of the xla tier's pipeline (moe_pipeline.py); the chunks' token
   # buffers add up to the unchunked ones.
-  chunks = min(lay.config.parallel.moe_chunks, int(tokens)) if lay.config.parallel.impl == "xla" else 1
+  chunks = (min(lay.config.parallel.moe_chunks, int(tokens)) if lay.config.parallel.impl in ("xla", "pallas")
+            else 1)
   for _ in range(chunks):
     add("moe", "all-to-all", ep, moe.num_experts * 4, True)
   if lay.platform == "cpu":  # padded all_to_all of whole [ep, A, D] buffers, each transposed in the backward
@@ -166,11 +246,6 @@ def _moe(lay: _Layout, add, c: int, micro: int, residual: int, batch_axes, seq_a
     add("moe", "ragged-all-to-all", ep, buffer, True)  # return: into an [ep, A] buffer
     add("moe", "ragged-all-to-all", ep, buffer, False)  # the return's transpose: [ep*A] out
     add("moe", "ragged-all-to-all", ep, sent, False)  # the dispatch's transpose: back to [A] rows
-  add("moe", "reduce-scatter", g, residual, True)
-  add("moe", "all-gather", g, residual * g, False)
-  r = lay.size(tuple(a for a in width_axes if a not in gather))
-  add("moe", "all-reduce", r, residual, True)
-  add("moe", "all-reduce", r, residual, False)
 
 
 def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshmoe import cost_kernels
 from meshmoe.config import Config, resolve_mesh_sizes
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding.dispatch import choose_block_rows
@@ -128,6 +129,13 @@ def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float,
   rows = ep * assignments  # the receive buffer
   buffers += assignments * d * c * 2 + (2 * 2 * rows * d * c if ep > 1 else 0)  # copied, sent/returned
   gemm = moe.gemm_impl if moe.gemm_impl != "auto" else ("blocked" if platform == "cpu" else "ragged_dot")
+  if cost_kernels.moe_kernels_apply(config, platform, ep, width):
+    # The tile plan's buffers: send and returned rows, received rows with their gate, up and hidden units;
+    # the backward's dispatched gradients [R, D + F] are transient.
+    send_rows, receive_rows = cost_kernels.moe_buffer_rows(int(assignments), ep, local_experts)
+    buffers = 2 * (gathered - tokens) * d * c + assignments * d * c * 2 + 2 * send_rows * d * c
+    hidden = receive_rows * (d + 3 * width) * c
+    return 2 * residual + buffers + hidden + gathered * moe.num_experts * 4 * 3, receive_rows * (d + width) * c
   if gemm == "blocked":
     height = moe.gemm_block_rows or choose_block_rows(int(rows), local_experts)
     tiles = (rows + local_experts * (height - 1)) // height

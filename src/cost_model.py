@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from meshmoe import cost_kernels
 from meshmoe.config import Config, ModelConfig, resolve_mesh_sizes
 from meshmoe.sharding.dispatch import choose_block_rows
 from meshmoe.sharding.rules import get_preset, logical_to_spec
@@ -123,13 +124,32 @@ def _expert_flops(config: Config, sizes, preset, split, platform: str) -> float:
   rows = ep * assignments  # the receive buffer: dropless worst case
   local_experts = moe.num_experts // ep
   gemm = moe.gemm_impl if moe.gemm_impl != "auto" else ("blocked" if platform == "cpu" else "ragged_dot")
-  if gemm == "blocked":
+  if cost_kernels.moe_kernels_apply(config, platform, ep, moe.expert_mlp_dim / width_split):
+    computed_rows, _ = cost_kernels.moe_rows(assignments, ep, local_experts)  # used tiles only
+  elif gemm == "blocked":
     height = moe.gemm_block_rows or choose_block_rows(rows, local_experts)
     computed_rows = (rows + local_experts * (height - 1)) // height * height
   else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert
     computed_rows = rows * local_experts
   per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / width_split
   return num_moe * per_step_micro * t.grad_accum_steps
+
+
+def flops_in_kernels(config: Config, num_devices: int, platform: str = "gpu") -> float:
+  """Of `executed_flops_per_device`, the FLOPs inside the `pallas` tier's fused kernels, which compiled
+  HLO does not show: the routed experts' every GEMM (forward, input and weight gradients), and of a
+  tensor-parallel block's projections the forward (with its remat repeat) and input-gradient GEMMs (the
+  weight gradients are local XLA matmuls)."""
+  from meshmoe import cost_collectives
+
+  ops = cost_collectives.fused_ops(config, num_devices, platform)
+  executed = executed_flops_per_device(config, num_devices, platform)
+  recompute = 1.0 if config.model.remat == "full" else 0.0
+  share = (2.0 + recompute) / (3.0 + recompute)
+  parts = {"attention": executed.attention_projections, "dense_mlp": executed.dense_mlp,
+           "shared_experts": executed.shared_experts}
+  return (sum(share * flops for op, flops in parts.items() if op in ops)
+          + (executed.routed_experts if "moe" in ops else 0.0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,7 +132,8 @@ def test_non_negative_loss_weights(field, value):
     ("model.moe.gemm_impl", "dense", "one of 'auto', 'blocked', 'ragged_dot'"),
     ("mesh.preset", "pp", ALL_PRESETS),
     ("mesh.preset", "", ALL_PRESETS),
-    ("parallel.impl", "pallas", "one of 'reference', 'xla'"),
+    ("parallel.impl", "triton", "one of 'reference', 'xla', 'pallas'"),
+    ("parallel.kernel_backend", "mosaic_gpu", "one of 'auto', 'reference'"),
     ("parallel.moe_chunks", 0, "a positive integer"),
     ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
 ]])

@@ -28,7 +28,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "conf
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
 
 # Device count each config is validated for; the full-size configs are meant for 64 GPUs and more.
-NUM_DEVICES = {"tiny_moe": 8}
+NUM_DEVICES = {"tiny_moe": 8, "moe_1b": 8}
 DEFAULT_DEVICES = 64
 
 # Published (total, active) parameters and the relative tolerance of each comparison.
@@ -92,6 +92,15 @@ def test_full_size_config_settings_and_docstring(name):
   assert "does not train on CPU" in doc
   counts = cost_model.active_params(config.model)
   assert f"{counts['total']:,}" in doc and f"{counts['active']:,}" in doc  # the stated counts are current
+
+
+def test_mid_size_config_states_its_current_counts():
+  module = load(config_file("moe_1b"))
+  config = module.get_config()
+  counts = cost_model.active_params(config.model)
+  assert f"{counts['total']:,}" in module.__doc__ and f"{counts['active']:,}" in module.__doc__
+  assert abstract_param_count(config.model) == counts["total"]
+  config.validate(1)  # one GPU: every axis 1
 
 
 @pytest.mark.parametrize("name", FULL_SIZE)

@@ -41,6 +41,11 @@ def unsupported(m: int, k: int, n: int, dtype, tiles: Tiles = mosaic_tiles.DEFAU
   return mosaic_gpu.unsupported(m, k, n, dtype, tiles) or scatter_mosaic.unsupported(m, n, k, dtype, tiles)
 
 
+def bytes_moved(p: int, m: int, k: int, itemsize: int) -> int:
+  """Bytes one device sends (and receives) in one call: every block but its own passes it once."""
+  return (p - 1) * m * k * itemsize
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused(options: Options, axes, x_MK, w_KN):
   return _forward(options, axes, x_MK, w_KN)[0]

@@ -40,6 +40,11 @@ def unsupported(m: int, k: int, n: int, dtype, tiles: Tiles = mosaic_tiles.DEFAU
   return mosaic_gpu.unsupported(m, k, n, dtype, tiles) or allgather_mosaic.unsupported(m, n, k, dtype, tiles)
 
 
+def bytes_moved(p: int, m: int, n: int, itemsize: int) -> int:
+  """Bytes one device sends (and receives) in one call: P - 1 partial sums of one output block."""
+  return (p - 1) * m * n * itemsize
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused(options: Options, axes, y_PMK, w_KN):
   return _forward(options, axes, y_PMK, w_KN)[0]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import jax
 
 from meshmoe.pallas_kernels import moe_backends, moe_routing, mosaic_tiles, ring
+from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
 from meshmoe.pallas_kernels.moe_backends import Options
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu, reference
 from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu as return_mosaic
@@ -45,7 +46,8 @@ def dispatch_gemm(rows_AD: jax.Array, weights: Sequence[jax.Array], plan: Plan, 
 
 def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:
   """Why the Mosaic GPU kernels cannot take these widths, forward or backward (None when they can)."""
-  return mosaic_gpu.unsupported(d, widths, dtype, tiles) or return_mosaic.unsupported(widths, d, dtype, tiles)
+  return (mosaic_gpu.unsupported(d, widths, dtype, tiles) or return_mosaic.unsupported(widths, d, dtype, tiles)
+          or next(filter(None, (weight_gradient.unsupported(d, f, dtype, tiles) for f in widths)), None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -62,7 +64,7 @@ def _backward(options, axes, residuals, dproducts):
   xr_RD, weights, plan = residuals
   dproducts = tuple(d.astype(xr_RD.dtype) for d in dproducts)
   dxs_SD = moe_backends.gemm_return(options, axes)(dproducts, moe_backends.transposed(weights), plan)
-  dweights = tuple(moe_backends.expert_weight_gradient(xr_RD, d, plan, w) for d, w in zip(dproducts, weights))
+  dweights = tuple(moe_backends.expert_weight_gradient(options, xr_RD, d, plan, w) for d, w in zip(dproducts, weights))
   return dxs_SD, dweights, None
 
 

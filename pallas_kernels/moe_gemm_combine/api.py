@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import jax
 
 from meshmoe.pallas_kernels import moe_backends, moe_routing, mosaic_tiles, ring
+from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
 from meshmoe.pallas_kernels.moe_backends import Options
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic
 from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu, reference
@@ -45,7 +46,8 @@ def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Pla
 
 def unsupported(widths: Sequence[int], d: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:
   """Why the Mosaic GPU kernels cannot take these widths, forward or backward (None when they can)."""
-  return mosaic_gpu.unsupported(widths, d, dtype, tiles) or dispatch_mosaic.unsupported(d, widths, dtype, tiles)
+  return (mosaic_gpu.unsupported(widths, d, dtype, tiles) or dispatch_mosaic.unsupported(d, widths, dtype, tiles)
+          or next(filter(None, (weight_gradient.unsupported(f, d, dtype, tiles) for f in widths)), None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -61,7 +63,7 @@ def _backward(options, axes, residuals, dret_SD):
   hs, weights, plan = residuals
   dy_RD, *dhs = moe_backends.dispatch_gemm(options, axes)(dret_SD.astype(hs[0].dtype),
                                                             moe_backends.transposed(weights), plan)
-  dweights = tuple(moe_backends.expert_weight_gradient(h, dy_RD, plan, w) for h, w in zip(hs, weights))
+  dweights = tuple(moe_backends.expert_weight_gradient(options, h, dy_RD, plan, w) for h, w in zip(hs, weights))
   return tuple(dhs), dweights, None
 
 

@@ -1,0 +1,107 @@
+"""The AOT comparison table: every preset x parallel-op tier of some configs, compiled deviceless for GPUs.
+
+  python -m experiments.aot_table --configs=tiny_moe,moe_1b --devices=8 [--impls=reference,xla] [--out=rows.json]
+
+For each config, preset (on the mesh layout of LAYOUTS) and tier, compiles the real train step for
+`--devices` H100s without a GPU (meshmoe.aot) and prints one markdown row: overlap_fraction, compiled
+matmul FLOPs over the model's (with remat's recomputation) and over the cost model's executed FLOPs,
+collective bytes compiled / cost model, peak memory per device. The rows go into
+experiments/benchmarks/RESULTS.md. The `pallas` tier's kernels are custom calls: their transfers show no
+HLO collective and their GEMMs no HLO dot, so both come from the kernels' own accounting (the cost
+model's): "in kernels MB", FLOPs added to the compiled count, and the overlap fraction with the kernels'
+transfers counted as overlapped in parentheses.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+from absl import app, flags
+
+_CONFIGS = flags.DEFINE_list("configs", ["tiny_moe", "moe_1b"], "experiment configs (experiments/configs/<name>.py)")
+_IMPLS = flags.DEFINE_list("impls", ["reference", "xla", "pallas"], "parallel-op tiers to compile")
+_PRESETS = flags.DEFINE_list("presets", None, "presets to compile (default: all of LAYOUTS)")
+_DEVICES = flags.DEFINE_integer("devices", 8, "GPUs to compile for")
+_OUT = flags.DEFINE_string("out", None, "also write the rows as JSON here")
+
+# (data, expert, tensor, sequence) per preset for 8 devices: each preset on a layout that exercises it.
+LAYOUTS = {
+    "dp": (8, 1, 1, 1), "fsdp": (8, 1, 1, 1), "zero1": (8, 1, 1, 1), "ep": (2, 4, 1, 1),
+    "tp_sp": (2, 2, 2, 1), "megascale": (2, 2, 1, 2),
+}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if _DEVICES.value != 8:
+    sys.exit("error: LAYOUTS are written for --devices=8")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  from meshmoe import deviceless, xla_flags
+
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *deviceless.COMPILE_FLAGS]).strip()
+  xla_flags.apply("overlap")  # the default preset; every row compiles under the same flags
+  import importlib
+
+  from meshmoe import aot
+  from meshmoe.config import MeshConfig
+
+  rows = []
+  print("| config | mesh (d,e,t,s) / preset | impl | overlap (with kernels) | compiled / model FLOPs | "
+        "compiled / cost-model FLOPs | collective MB compiled / cost model | in kernels MB | peak GB | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for name in _CONFIGS.value:
+    module = importlib.import_module(f"experiments.configs.{name}")
+    for preset, sizes in LAYOUTS.items():
+      if _PRESETS.value and preset not in _PRESETS.value:
+        continue
+      for impl in _IMPLS.value:
+        config = module.get_config()
+        data, expert, tensor, sequence = sizes
+        config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
+        config.parallel.impl = impl
+        config.parallel.xla_flags = "overlap"
+        report = aot.analyze(config, "h100", _DEVICES.value).data
+        row = _row(name, preset, sizes, impl, report)
+        rows.append(row)
+        print(_markdown(row), flush=True)
+  if _OUT.value:
+    pathlib.Path(_OUT.value).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _row(name, preset, sizes, impl, report) -> dict:
+  by_kind = report["collective_bytes_by_kind"]
+  return {
+      "config": name, "preset": preset, "mesh": sizes, "impl": impl,
+      "overlap_fraction": report["overlap_fraction"],
+      "overlap_fraction_with_kernels": report["fused_kernels"]["overlap_fraction_with_kernels"],
+      "kernel_bytes": sum(report["fused_kernels"]["bytes_by_kind"].values()),
+      "compiled_over_model": report["flops"]["compiled_over_model_with_remat"],
+      "compiled_over_cost_model": report["flops"]["compiled_over_cost_model"],
+      "collective_bytes_compiled": sum(r["compiled"] for r in by_kind.values()),
+      "collective_bytes_cost_model": sum(r["cost_model"] for r in by_kind.values()),
+      "by_kind": by_kind,
+      "peak_bytes": report["memory"]["peak_bytes_per_device"],
+      "fits": report["memory"]["fits"],
+      "compile_seconds": report["compile_seconds"],
+  }
+
+
+def _markdown(row: dict) -> str:
+  mesh = ",".join(str(s) for s in row["mesh"])
+  compiled, modelled = row["collective_bytes_compiled"], row["collective_bytes_cost_model"]
+  ratio = f" ({compiled / modelled:.3f})" if modelled else ""
+  overlap = f"{row['overlap_fraction']:.3f}"
+  kernels = "-"
+  if row["kernel_bytes"]:
+    overlap += f" ({row['overlap_fraction_with_kernels']:.3f})"
+    kernels = f"{row['kernel_bytes'] / 1e6:.2f}"
+  return (f"| {row['config']} | {mesh} {row['preset']} | {row['impl']} | {overlap} | "
+          f"{row['compiled_over_model']:.3f} | {row['compiled_over_cost_model']:.3f} | "
+          f"{compiled / 1e6:.2f} / {modelled / 1e6:.2f}{ratio} | {kernels} | {row['peak_bytes'] / 1e9:.2f} | "
+          f"{row['compile_seconds']:.0f} |")
+
+
+if __name__ == "__main__":
+  app.run(main)

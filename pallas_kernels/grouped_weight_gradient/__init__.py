@@ -1,0 +1,1 @@
+"""Grouped weight gradient: for each expert, its rows transposed times their gradients (no communication)."""
