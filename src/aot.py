@@ -68,7 +68,8 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
   mesh = target_mesh(config, target, num_devices, num_hosts)
   trainer, state = train_step.create_abstract(config, mesh)
   start = time.perf_counter()
-  compiled = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh)).compile()
+  lowered = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh))
+  compiled = lowered.compile() if target == "cpu" else deviceless.compile_for_analysis(lowered)
   compile_s = time.perf_counter() - start
   module = hlo_module.parse(compiled.as_text())
   platform = "cpu" if target == "cpu" else "gpu"

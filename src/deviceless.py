@@ -24,6 +24,18 @@ TARGETS = ("h100_sxm",)
 COMPILE_FLAGS = ("--xla_gpu_deviceless_cub_mode=DEVICELESS_CUB_DISABLED",)
 
 
+# Compiler options for analysis compiles: LLVM and ptxas at -O0. They change only the machine code, which
+# an analysis never runs; the optimized, scheduled HLO, its buffer assignment and therefore every figure
+# of the AOT report are identical (checked by tests/test_aot.py), and compiles take about 40% less time.
+ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                    "xla_gpu_disable_gpuasm_optimizations": True}
+
+
+def compile_for_analysis(lowered):
+  """`lowered.compile()` with ANALYSIS_OPTIONS, for programs compiled only to be read."""
+  return lowered.compile(compiler_options=ANALYSIS_OPTIONS)
+
+
 def gpu_devices(num_devices: int, target: str = "h100_sxm", num_hosts: int = 1) -> list[jax.Device]:
   """`num_devices` GPUs of `target` spread evenly over `num_hosts` hosts (process_index = host)."""
   if target not in TARGETS:

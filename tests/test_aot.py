@@ -84,3 +84,20 @@ def test_command_line_rejects_bad_input_in_one_line():
   mesh = _cli("--target=h100", "--devices=6", "--config.mesh.expert=4")
   assert mesh.returncode != 0
   assert "error: config.mesh.data=-1 is invalid" in mesh.stderr and "Traceback" not in mesh.stderr
+
+
+def test_analysis_options_change_no_hlo():
+  """deviceless.ANALYSIS_OPTIONS lower only the machine code's optimisation: the scheduled HLO, which every
+  figure of the report comes from, is the same."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from meshmoe import deviceless
+
+  mesh = deviceless.gpu_mesh((8,), ("x",))
+  step = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum_scatter(jnp.tanh(x @ w) @ w.T, "x", tiled=True),
+                               mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+  lowered = step.lower(jax.ShapeDtypeStruct((8 * 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("x"))),
+                       jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P())))
+  assert deviceless.compile_for_analysis(lowered).as_text() == lowered.compile().as_text()

@@ -100,6 +100,13 @@ def test_moe_block_matches_per_token_reference(case, bias_name):
   assert_close(grad_x, ref_grad_x, FP32_MODULE_RTOL, "grad input")
   grads = _reference_params(nnx.merge(graphdef, grads_state, others))
   for name in ref_grads:
+    if name == "router" and block.cfg.top_k == 1 and block.cfg.normalize_top_k:
+      # One weight renormalised over itself is exactly 1: the router gets no gradient through the output.
+      # Both sides hold only rounding noise (~1e-7), so compare them with zero at the scale of the
+      # gradients that do flow, not with each other.
+      scale = max(float(jnp.max(jnp.abs(g))) for g in ref_grads.values())
+      assert float(jnp.max(jnp.abs(grads[name]))) <= FP32_MODULE_RTOL * scale, "router gradient is not zero"
+      continue
     assert_close(grads[name], ref_grads[name], FP32_MODULE_RTOL, f"grad {name}")
 
 

@@ -148,7 +148,8 @@ def _h100(sizes, preset, parallel, grad=False) -> hlo_module.HloModule:
   loss = lambda x, experts, weights, w: jnp.sum(fn(x, experts, weights, w) ** 2)
   args = (abstract(x, tokens), abstract(experts, tokens), abstract(weights, tokens), w)
   program = jax.grad(loss, argnums=(0, 2, 3)) if grad else fn
-  return hlo_module.parse(jax.jit(program).lower(*args).compile(compiler_options=_SCHEDULER).as_text())
+  return hlo_module.parse(jax.jit(program).lower(*args).compile(
+      compiler_options={**_SCHEDULER, **deviceless.ANALYSIS_OPTIONS}).as_text())
 
 
 def _runs_a_dot(module: hlo_module.HloModule, instruction: hlo_module.Instruction) -> bool:

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
+from meshmoe import deviceless
 from meshmoe.pallas_kernels import moe_routing
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api, mosaic_gpu as dispatch_mosaic
 from meshmoe.pallas_kernels.moe_dispatch_gemm import tpu as dispatch_tpu
@@ -182,7 +183,7 @@ def test_mosaic_kernels_of_a_moe_layer_compile_for_8_h100s_forward_and_backward(
     return loss[None], grads
 
   hlo = harness.per_device(per_device, mesh, (spec,) * 6, (spec, (spec,) * 4), check_vma=True).lower(
-      *args).compile().as_text()
+      *args).compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text()
   # Two kernels forward; backward, two kernels and three grouped weight gradients.
   assert hlo.count('custom_call_target="mosaic_gpu') >= 7
   for collective in ("all-to-all", "ragged-all-to-all", "collective-permute", "reduce-scatter"):
