@@ -2,10 +2,10 @@
 
   python -m experiments.aot --config=experiments/configs/deepseek_v3.py --target=h100 --devices=64 --out=report.json
 
-(`experiments.aot`, the deviceless AOT compiler, comes with the AOT tool; until it lands this file is only
-validated and shape-checked by tests/test_configs.py.) This config does not train on CPU (2.7 TB of float32
-parameters), and at the 64 devices above it does not fit H100s either: read that report for FLOPs and
-collectives; for memory compile it for 512 devices (see "mesh" below).
+(`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
+communication; tests/test_configs.py validates and shape-checks this file.) This config does not train on CPU
+(2.7 TB of float32 parameters), and at the 64 devices above it does not fit H100s either: read that report for
+FLOPs and collectives; for memory compile it for 512 devices (see "mesh" below).
 
 Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
 blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the same width. Routing: sigmoid

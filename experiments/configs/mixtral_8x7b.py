@@ -2,9 +2,9 @@
 
   python -m experiments.aot --config=experiments/configs/mixtral_8x7b.py --target=h100 --devices=64 --out=report.json
 
-(`experiments.aot`, the deviceless AOT compiler, comes with the AOT tool; until it lands this file is only
-validated and shape-checked by tests/test_configs.py.) This config does not train on CPU: its float32
-parameters alone are 187 GB.
+(`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
+communication; tests/test_configs.py validates and shape-checks this file.) This config does not train on CPU:
+its float32 parameters alone are 187 GB.
 
 Model: 32 decoder layers, d_model 4096, grouped-query attention with 32 query / 8 key-value heads of
 dimension 128, RoPE theta 1e6, context 32768. Every layer is an MoE block of 8 SwiGLU experts of width

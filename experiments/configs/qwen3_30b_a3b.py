@@ -2,9 +2,9 @@
 
   python -m experiments.aot --config=experiments/configs/qwen3_30b_a3b.py --target=h100 --devices=64 --out=report.json
 
-(`experiments.aot`, the deviceless AOT compiler, comes with the AOT tool; until it lands this file is only
-validated and shape-checked by tests/test_configs.py.) This config does not train on CPU: its float32
-parameters alone are 122 GB.
+(`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
+communication; tests/test_configs.py validates and shape-checks this file.) This config does not train on CPU:
+its float32 parameters alone are 122 GB.
 
 Model: 48 decoder layers, d_model 2048, grouped-query attention with 32 query / 4 key-value heads of
 dimension 128 (so the attention width, 4096, is twice d_model), RoPE theta 1e6, native context 32768.
