@@ -101,3 +101,22 @@ def test_analysis_options_change_no_hlo():
   lowered = step.lower(jax.ShapeDtypeStruct((8 * 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("x"))),
                        jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P())))
   assert deviceless.compile_for_analysis(lowered).as_text() == lowered.compile().as_text()
+
+
+@pytest.mark.slow
+def test_pallas_tier_report_accounts_for_the_fused_kernels():
+  """The `pallas` tier on 8 H100s (bfloat16, so the kernels apply): the expert exchanges leave the HLO
+  for the kernels, whose bytes and FLOPs the report takes from their own accounting."""
+  config = _config(sizes=(2, 4, 1, 1), preset="ep", impl="pallas")
+  config.model.dtype = "bfloat16"
+  report = aot.analyze(config, "h100", 8)
+  kinds = {c["kind"] for c in report.data["collectives"]}
+  assert not kinds & {"all-to-all", "ragged-all-to-all"}, kinds
+  assert report.hlo_text.count('custom_call_target="mosaic_gpu') >= 5
+  fused = report.data["fused_kernels"]
+  assert fused["bytes_by_kind"]["fused all-to-all"] > 0
+  flops = report.data["flops"]
+  assert flops["in_kernels"] > 0 and flops["compiled"] == pytest.approx(flops["in_hlo"] + flops["in_kernels"])
+  assert flops["compiled_over_cost_model"] == pytest.approx(1.0, abs=0.10), flops
+  assert report.data["overlap_fraction"] <= fused["overlap_fraction_with_kernels"] <= 1.0
+  assert "inside fused kernels" in report.table()
