@@ -8,31 +8,16 @@ gradients with this pair, so a backend's forward and backward run the same fused
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 
-from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels import ring
 from meshmoe.pallas_kernels.allgather_matmul import mosaic_gpu as allgather_mosaic, tpu as allgather_tpu
 from meshmoe.pallas_kernels.matmul_reducescatter import mosaic_gpu as scatter_mosaic, tpu as scatter_tpu
-from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.ring import Axes
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Static choices of a fused call: the backend ("tpu_interpret" or "mosaic_gpu") and, for Mosaic GPU,
-  its tiles and the number of thread blocks (the GPU's streaming multiprocessors)."""
-
-  backend: str
-  tiles: Tiles = mosaic_tiles.DEFAULT_TILES
-  num_sms: int = mosaic_tiles.H100_SMS
-
-  def __post_init__(self):
-    if self.backend not in ("tpu_interpret", "mosaic_gpu"):
-      raise ValueError(f"fused backends are 'tpu_interpret' and 'mosaic_gpu', not {self.backend!r}")
 
 
 def allgather_matmul(options: Options, axes: Axes) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:

@@ -11,34 +11,19 @@ transposed weights (dispatch + grouped GEMM). Both use the same tile plan.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels import ring
 from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic, tpu as dispatch_tpu
 from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu as return_mosaic, tpu as return_tpu
 from meshmoe.pallas_kernels.moe_routing import Plan
-from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.ring import Axes
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Static choices of a fused call: the backend ("tpu_interpret" or "mosaic_gpu") and, for Mosaic GPU,
-  its tiles (block_m is the plan's tile height) and the number of thread blocks."""
-
-  backend: str
-  tiles: Tiles = mosaic_tiles.DEFAULT_TILES
-  num_sms: int = mosaic_tiles.H100_SMS
-
-  def __post_init__(self):
-    if self.backend not in ("tpu_interpret", "mosaic_gpu"):
-      raise ValueError(f"fused backends are 'tpu_interpret' and 'mosaic_gpu', not {self.backend!r}")
 
 
 def dispatch_gemm(options: Options, axes: Axes) -> Callable:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import jax
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 Axes = tuple[str, ...]
@@ -76,6 +77,25 @@ def varying_like(value: jax.Array, *operands: jax.Array, axes: Axes = ()) -> jax
   wanted = set(out_type(value.shape, value.dtype, *operands, axes=axes).manual_axis_type.varying)
   missing = tuple(sorted(wanted - set(jax.typeof(value).manual_axis_type.varying)))
   return lax.pcast(value, missing, to="varying") if missing else value
+
+
+def barrier_with_left(axes: Axes) -> None:
+  """TPU-style kernels whose left neighbour writes into them: each device signals its left neighbour and
+  waits for its right one's signal, so nobody writes into a device that has not entered the kernel."""
+  if size(axes) > 1:
+    barrier = pltpu.get_barrier_semaphore()
+    pl.semaphore_signal(barrier, 1, device_id=device(axes, shift(axes, -1)))
+    pl.semaphore_wait(barrier, 1)
+
+
+def barrier_with_all(axes: Axes) -> None:
+  """TPU-style kernels where every device may write into every other: each enters only once all have."""
+  p = size(axes)
+  if p > 1:
+    barrier = pltpu.get_barrier_semaphore()
+    for offset in range(1, p):
+      pl.semaphore_signal(barrier, 1, device_id=device(axes, shift(axes, offset)))
+    pl.semaphore_wait(barrier, p - 1)
 
 
 def check_backend(backend: str) -> None:

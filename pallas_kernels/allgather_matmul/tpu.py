@@ -41,11 +41,7 @@ def _kernel(x_ref, w_ref, out_ref, gathered_ref, block_vmem, w_vmem, out_vmem, s
             axes: Axes, p: int):
   me = ring.index(axes)
   right = ring.device(axes, ring.shift(axes, 1))
-  if p > 1:
-    # My left neighbour writes into my gathered_ref: it may start only once I am in the kernel.
-    barrier = pltpu.get_barrier_semaphore()
-    pl.semaphore_signal(barrier, 1, device_id=ring.device(axes, ring.shift(axes, -1)))
-    pl.semaphore_wait(barrier, 1)
+  ring.barrier_with_left(axes)
   pltpu.sync_copy(w_ref, w_vmem)
   pltpu.sync_copy(x_ref, gathered_ref.at[me])  # my own block: slot `me`, never written by anyone else
   sends = []

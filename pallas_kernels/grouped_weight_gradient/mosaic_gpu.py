@@ -33,7 +33,7 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
                     tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS,
                     interpret=None) -> jax.Array:
   """dw_EDF in `like`'s dtype, as reference.weight_gradient; rows_E must be multiples of tile_rows."""
-  (r, d), f, num_experts = x_RD.shape, dy_RF.shape[1], rows_E.shape[0]
+  d, f, num_experts = x_RD.shape[1], dy_RF.shape[1], rows_E.shape[0]
   reason = unsupported(d, f, x_RD.dtype, tiles)
   if reason or dy_RF.dtype != x_RD.dtype:
     raise ValueError(f"grouped weight-gradient kernel: {reason or 'x and dy dtypes differ'}")

@@ -47,11 +47,7 @@ def _kernel(y_ref, w_ref, out_ref, sent_ref, received_ref, y_vmem, w_vmem, acc_v
             recv_sems, *, axes: Axes, p: int):
   me = ring.index(axes)
   right = ring.device(axes, ring.shift(axes, 1))
-  if p > 1:
-    # My left neighbour writes into my received_ref: it may start only once I am in the kernel.
-    barrier = pltpu.get_barrier_semaphore()
-    pl.semaphore_signal(barrier, 1, device_id=ring.device(axes, ring.shift(axes, -1)))
-    pl.semaphore_wait(barrier, 1)
+  ring.barrier_with_left(axes)
   pltpu.sync_copy(w_ref, w_vmem)
   sends = []
   for step in range(p):

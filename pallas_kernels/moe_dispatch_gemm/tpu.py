@@ -52,7 +52,7 @@ def _kernel(*refs, axes: Axes, p: int, n: int, tm: int, r_tiles: int):
   send_sem, recv_sems = refs[8 + 4 * n:]
   tile = lambda t: pl.ds(t * tm, tm)
 
-  barrier_with_every_peer(axes, p)
+  ring.barrier_with_all(axes)
 
   # 1. Send: each of my tiles into its tile of the receiver's buffer, signalling that tile's semaphore
   #    there. Nothing here waits for a peer.
@@ -103,14 +103,3 @@ def _arrival(xs_ref, xr_ref, send_sem, recv_sems, tile, m, axes: Axes):
   tile's descriptor measures the same amount)."""
   return pltpu.make_async_remote_copy(xs_ref.at[tile(0)], xr_ref.at[tile(m)], send_sem, recv_sems.at[m],
                                       device_id=ring.device(axes, ring.index(axes)))
-
-
-def barrier_with_every_peer(axes: Axes, p: int) -> None:
-  """Every device may write into every other: each enters only once all have entered."""
-  if p == 1:
-    return
-  barrier = pltpu.get_barrier_semaphore()
-  me = ring.index(axes)
-  for offset in range(1, p):
-    pl.semaphore_signal(barrier, 1, device_id=ring.device(axes, lax.rem(me + offset, p)))
-  pl.semaphore_wait(barrier, p - 1)

@@ -17,7 +17,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from meshmoe.pallas_kernels import ring
-from meshmoe.pallas_kernels.moe_dispatch_gemm.tpu import barrier_with_every_peer
 from meshmoe.pallas_kernels.moe_routing import Plan
 from meshmoe.pallas_kernels.ring import Axes
 
@@ -57,7 +56,7 @@ def _kernel(*refs, axes: Axes, p: int, n: int, tm: int, s_tiles: int):
   acc_vmem, y_vmem, send_sem, recv_sems = refs[7 + 4 * n:]
   tile = lambda t: pl.ds(t * tm, tm)
 
-  barrier_with_every_peer(axes, p)
+  ring.barrier_with_all(axes)
 
   # 1. Compute each received tile and send it home at once, into the tile of the owner's buffer it
   #    came from, signalling that tile's semaphore there. Nothing here waits for a peer.

@@ -1,0 +1,24 @@
+"""The static choices of a fused kernel call, shared by every op's api.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshmoe.pallas_kernels import mosaic_tiles
+from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+
+FUSED_BACKENDS = ("tpu_interpret", "mosaic_gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The backend ("tpu_interpret" or "mosaic_gpu") and, for Mosaic GPU, the tiles (block_m is also the MoE
+  tile plan's tile height) and the number of thread blocks (the GPU's streaming multiprocessors)."""
+
+  backend: str
+  tiles: Tiles = mosaic_tiles.DEFAULT_TILES
+  num_sms: int = mosaic_tiles.H100_SMS
+
+  def __post_init__(self):
+    if self.backend not in FUSED_BACKENDS:
+      raise ValueError(f"fused backends are {', '.join(map(repr, FUSED_BACKENDS))}, not {self.backend!r}")
