@@ -85,8 +85,14 @@ def fused_kernel_backend(ctx: ShardingContext, op: str, unsupported: str | None 
     return None
   if ctx.parallel.kernel_backend == "reference":
     return "reference"
-  platform = ctx.mesh.devices.flat[0].platform
-  reason = unsupported if platform == "gpu" else f"no fused kernels on {platform} (Mosaic GPU needs GPUs)"
+  device = ctx.mesh.devices.flat[0]
+  capability = str(getattr(device, "compute_capability", ""))
+  if device.platform != "gpu":
+    reason = f"no fused kernels on {device.platform} (Mosaic GPU needs GPUs)"
+  elif not capability.startswith("9."):  # WGMMA and TMA as these kernels use them: Hopper
+    reason = f"the kernels are written for Hopper (compute capability 9.x), not {capability or 'unknown'}"
+  else:
+    reason = unsupported
   if reason is None:
     return "mosaic_gpu"
   if (op, reason) not in _FALLBACKS_LOGGED:
