@@ -70,8 +70,8 @@ def test_more_chunks_than_tokens_is_one_chunk_per_token():
 
 def test_unknown_tier_is_an_error():
   x, experts, weights, w = _inputs("balanced")
-  fn, place, _ = _sharded((1, 8, 1, 1), "ep", ParallelConfig(impl="pallas"))
-  with pytest.raises(ValueError, match="no 'pallas' tier"):
+  fn, place, _ = _sharded((1, 8, 1, 1), "ep", ParallelConfig(impl="triton"))
+  with pytest.raises(ValueError, match="no 'triton' tier"):
     fn(*place(x, experts, weights, w))
 
 
