@@ -5,6 +5,9 @@
 #   bash experiments/run.sh train [flags]   train the default experiment (tiny_moe); flags go to experiments.train
 #   bash experiments/run.sh test  [pytest args]   run the full test suite on 8 simulated CPU devices
 #   bash experiments/run.sh bench [flags]   step time and compiled/model FLOP ratio of the default config
+#   bash experiments/run.sh launch --processes=P --devices_per_process=D -- [train flags]
+#                                           a P-process job on this machine (experiments/launch.py)
+#   bash experiments/run.sh setup           only create or update the virtual environment
 #
 # Environment: MESHMOE_PYTHON=/path/to/python3.12 picks the interpreter; MESHMOE_VENV moves the venv
 # (default: .venv, and .venv-test for the tests); MESHMOE_EXTRAS sets the pip extras (default "test", and
@@ -85,7 +88,9 @@ case "$task" in
     export JAX_PLATFORMS=cpu
     exec "$venv/bin/python" -m pytest tests "$@" ;;
   bench) ensure_venv; exec "$venv/bin/python" -m experiments.bench "$@" ;;
+  launch) ensure_venv; exec "$venv/bin/python" -m experiments.launch "$@" ;;
+  setup) ensure_venv ;;
   *)
-    echo "usage: bash experiments/run.sh {train|test|bench} [args...]" >&2
+    echo "usage: bash experiments/run.sh {train|test|bench|launch|setup} [args...]" >&2
     exit 2 ;;
 esac

@@ -1,46 +1,202 @@
-"""Checkpoints with orbax: the TrainState plus the data-iterator position, saved asynchronously.
+"""Checkpoints with orbax: the TrainState, the data-iterator position and a fingerprint, saved asynchronously.
 
-Layout: `<workdir>/checkpoints/<step>/{state,data}`. `state` is the TrainState pytree (restored straight
-into the shardings of the current mesh, so a run can resume on a different layout); `data` is the JSON
-state of the training data iterator, so a resumed run sees exactly the batches it would have seen.
-The newest `checkpoint.keep` checkpoints are kept. A run started on a workdir that holds checkpoints
-resumes from the newest one.
+Layout: `<workdir>/checkpoints/<step>/{state,data,run_state}`. `state` is the TrainState pytree (restored
+straight into the shardings of the current mesh, so a run can resume on a different layout); `data` is the
+JSON state of the training data iterator, so a resumed run sees exactly the batches it would have seen;
+`run_state` holds the count of skipped non-finite steps and a fingerprint of every array of `state`. The
+newest `checkpoint.keep` checkpoints are kept. Every process calls save and restore; orbax coordinates them.
+
+Restoring never trusts the newest checkpoint blindly. `restore_latest` tries the checkpoints newest first:
+one that cannot be read (a truncated or deleted file, garbled metadata) or whose arrays do not match their
+fingerprint (a flipped bit that the file format accepts) is reported with the reason, and the next older
+one is tried. Once one restores, the unusable newer ones are moved to `<workdir>/checkpoints_unusable/`
+(never deleted: they are the user's data, and left in place they would collide with the steps the run is
+about to save again). Leftovers of an interrupted save (orbax writes into a `*.orbax-checkpoint-tmp*`
+folder and renames it when complete) are moved there too, with a message. When no checkpoint restores,
+nothing is moved and the run stops with an error listing what failed.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import pathlib
+import shutil
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from meshmoe.config import CheckpointConfig
+
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint in the workdir could be restored."""
+
+
+@dataclasses.dataclass
+class Restored:
+  step: int
+  state: Any
+  data_state: dict
+  skipped_steps: int
+  saved_fingerprints: dict | None  # None for checkpoints written before fingerprints existed
 
 
 class Checkpointer:
 
   def __init__(self, workdir: str | pathlib.Path, cfg: CheckpointConfig):
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    self.unusable_directory = self.directory.parent / "checkpoints_unusable"
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                            create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = _Manager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any, data_state: dict) -> None:
+  def save(self, step: int, state: Any, data_state: dict, skipped_steps: int = 0) -> None:
     """Starts saving (returns before the write finishes when async); `wait` blocks until it is on disk."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+    run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state)}
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                              run_state=ocp.args.JsonSave(run_state))
     self._manager.save(step, args=args, force=True)
 
-  def restore(self, step: int, target_state: Any) -> tuple[Any, dict]:
-    """Restores checkpoint `step` into the shapes, dtypes and shardings of `target_state`."""
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target_state)
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
-    restored = self._manager.restore(step, args=args)
-    return restored.state, restored.data
+  def restore(self, step: int, target_state: Any) -> Restored:
+    """Restores checkpoint `step` into the shapes, dtypes and shardings of `target_state`, verified against
+    its fingerprints; raises when it cannot be read or does not match them."""
+    restored, error = self._read(step, target_state)
+    if error is None:
+      error = self._verify(restored)
+    if error is not None:
+      raise CheckpointError(f"checkpoint {step} in {self.directory}: {error}")
+    return restored
+
+  def restore_latest(self, target_state: Any) -> Restored | None:
+    """The newest checkpoint that restores and verifies, falling back to older ones (see module doc);
+    None when there is no checkpoint at all."""
+    self._set_aside_unfinished_saves()
+    failed: list[tuple[int, str]] = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      restored, error = self._read(step, target_state)
+      error = _agree(error)
+      if error is None:
+        error = self._verify(restored)
+      if error is None:
+        for bad_step, _ in failed:
+          self._set_aside(self.directory / str(bad_step), f"unusable checkpoint {bad_step}")
+        return restored
+      failed.append((step, error))
+      print(f"warning: checkpoint {step} in {self.directory} cannot be used: {error}; trying the previous one",
+            flush=True)
+    if failed:
+      tried = "; ".join(f"step {step}: {error}" for step, error in failed)
+      raise CheckpointError(f"no checkpoint in {self.directory} can be restored ({tried}). Nothing was moved "
+                            "or deleted; move the folder away to start from scratch")
+    return None
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.close()
+
+  def _read(self, step: int, target_state: Any) -> tuple[Restored | None, str | None]:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target_state)
+    items = {"state": ocp.args.StandardRestore(abstract), "data": ocp.args.JsonRestore()}
+    has_run_state = (self.directory / str(step) / "run_state").is_dir()  # older checkpoints have none
+    if has_run_state:
+      items["run_state"] = ocp.args.JsonRestore()
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax and tensorstore raise many types; each means "this one is unreadable"
+      return None, _summary(e)
+    run_state = out.run_state if has_run_state else {}
+    return Restored(step, out.state, out.data, run_state.get("skipped_steps", 0),
+                    run_state.get("fingerprints")), None
+
+  def _verify(self, restored: Restored) -> str | None:
+    saved = restored.saved_fingerprints
+    if saved is None:
+      return None
+    actual = fingerprints(restored.state)
+    wrong = [name for name, value in actual.items() if saved.get(name) != value]
+    if wrong or saved.keys() != actual.keys():
+      listed = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+      return f"arrays that do not match their saved fingerprint: {listed or 'a different set of arrays'}"
+    return None
+
+  def _set_aside_unfinished_saves(self) -> None:
+    for path in sorted(self.directory.glob(f"*{_TMP_MARKER}*")):
+      self._set_aside(path, f"the unfinished save {path.name} (the run stopped while writing it)")
+
+  def _set_aside(self, path: pathlib.Path, what: str) -> None:
+    target = self.unusable_directory / path.name
+    if target.exists():
+      target = target.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      shutil.move(path, target)
+      print(f"moved {what} from {path.parent} to {target}", flush=True)
+    _barrier(f"meshmoe_set_aside_{path.name}")
+    self._manager.reload()
+
+
+class _Manager(ocp.CheckpointManager):
+  """orbax's manager, minus its own look at JAX's preemption sync point.
+
+  The training loop alone asks for the sync point (meshmoe.resilience.Preemption), once per step with the
+  step number. orbax also asks, from its background thread when a save completes, with that save's older
+  step; JAX keeps the latest number it was given, so such a call landing as a SIGTERM arrives could set
+  the agreed stop step behind the loop, which would then never reach it."""
+
+  def reached_preemption(self, step: int) -> bool:
+    return False
+
+
+def fingerprints(state: Any) -> dict[str, int]:
+  """Per array of `state`, the sum of its 32-bit words modulo 2**32: integer addition in any order gives
+  the same value on any mesh, and any changed bit changes it."""
+  paths_and_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in paths_and_leaves]
+  leaves = [leaf for _, leaf in paths_and_leaves]
+  replicated = jax.sharding.NamedSharding(leaves[0].sharding.mesh, jax.sharding.PartitionSpec())
+  sums = jax.jit(lambda xs: [_word_sum(x) for x in xs], out_shardings=replicated)(leaves)
+  return {name: int(value) for name, value in zip(names, sums, strict=True)}
+
+
+def _word_sum(x: jax.Array) -> jax.Array:
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  else:
+    words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+  return jnp.sum(words, dtype=jnp.uint32)
+
+
+def _summary(error: Exception) -> str:
+  first_line = (str(error).strip().splitlines() or [""])[0]
+  return f"{type(error).__name__}: {first_line[:300]}"
+
+
+def _agree(error: str | None) -> str | None:
+  """Every process's verdict on one checkpoint: unusable when any process could not read it."""
+  if jax.process_count() == 1:
+    return error
+  from jax.experimental import multihost_utils
+
+  failed = multihost_utils.process_allgather(np.int32(error is not None))
+  if error is None and failed.any():
+    bad = [int(p) for p in np.flatnonzero(failed)]
+    return f"process(es) {bad} could not read it (see their logs)"
+  return error
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

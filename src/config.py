@@ -25,6 +25,7 @@ SCORE_FNS = ("softmax", "sigmoid")
 GEMM_IMPLS = ("auto", "blocked", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
+NAN_POLICIES = ("halt", "skip")
 
 
 class ConfigError(ValueError):
@@ -180,6 +181,23 @@ class SampleConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class ResilienceConfig:
+  """What a run does when something goes wrong (src/resilience.py, src/nonfinite.py, src/stragglers.py)."""
+
+  # A step whose loss or gradient norm is NaN/Inf never updates the state. "halt": stop with a diagnostic
+  # naming the first parameter whose gradient is non-finite. "skip": go on with the next batch and count it.
+  nan_policy: str = "halt"
+  max_consecutive_skips: int = 5  # nan_policy="skip": halt anyway after this many non-finite steps in a row
+  # A step, evaluation or checkpoint wait that makes no progress for this long (a collective waiting for a
+  # process that died or hangs) ends the process with a clear error and exit status 3.
+  watchdog_timeout_s: float = 300.0
+  # Every this many steps the processes compare the time each spends on its own work per step (0: never);
+  # one slower than the median process by `straggler_factor` is named in the logs and metrics.jsonl.
+  straggler_every_steps: int = 50
+  straggler_factor: float = 1.5
+
+
+@dataclasses.dataclass(kw_only=True)
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -189,6 +207,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+  resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
 
   def validate(self, num_devices: int | None = None) -> "Config":
     """Checks every field; with `num_devices`, also the mesh and the sharding divisibility. Returns self."""
@@ -197,6 +216,7 @@ class Config:
     _validate_optimizer(self.optimizer)
     _validate_data(self.data)
     _validate_checkpoint_and_sample(self.checkpoint, self.sample)
+    _validate_resilience(self.resilience)
     _validate_mesh(self.mesh)
     _check_choice("parallel.impl", self.parallel.impl, IMPLS)
     _check_choice("parallel.kernel_backend", self.parallel.kernel_backend, KERNEL_BACKENDS)
@@ -256,6 +276,7 @@ def _validate_model(m: ModelConfig) -> None:
   _check_positive_float("model.init_std", m.init_std)
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
+  _check_bool("model.tie_embeddings", m.tie_embeddings)
   if m.head_dim % 2:
     raise ConfigError("model.head_dim", m.head_dim, "an even number (rotary embeddings rotate pairs)")
   if m.num_heads % m.num_kv_heads:
@@ -277,6 +298,8 @@ def _validate_moe(moe: MoEConfig) -> None:
                       f"at most model.moe.num_experts={moe.num_experts} (each token picks distinct experts)")
   _check_int("model.moe.num_shared_experts", moe.num_shared_experts, 0, "an integer >= 0")
   _check_choice("model.moe.score_fn", moe.score_fn, SCORE_FNS)
+  _check_bool("model.moe.normalize_top_k", moe.normalize_top_k)
+  _check_bool("model.moe.expert_bias", moe.expert_bias)
   _check_positive_float("model.moe.routed_scaling", moe.routed_scaling)
   for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
     _check_non_negative(f"model.moe.{name}", getattr(moe, name))
@@ -321,7 +344,7 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
   _check_positive_int("train.eval_batches", t.eval_batches)
   _check_non_negative("train.peak_flops_per_device", t.peak_flops_per_device,
                       "a finite number >= 0 (0: look the device up)")
-  if t.profile_steps:
+  if t.profile_steps or not isinstance(t.profile_steps, str):
     parts = t.profile_steps.split(":") if isinstance(t.profile_steps, str) else []
     if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
       raise ConfigError("train.profile_steps", t.profile_steps,
@@ -360,6 +383,15 @@ def _validate_checkpoint_and_sample(c: CheckpointConfig, s: SampleConfig) -> Non
     raise ConfigError("sample.prompt", s.prompt, "a non-empty string")
   _check_int("sample.max_new_tokens", s.max_new_tokens, 0, "an integer >= 0")
   _check_non_negative("sample.temperature", s.temperature, "a finite number >= 0 (0: greedy only)")
+
+
+def _validate_resilience(r: ResilienceConfig) -> None:
+  _check_choice("resilience.nan_policy", r.nan_policy, NAN_POLICIES)
+  _check_positive_int("resilience.max_consecutive_skips", r.max_consecutive_skips)
+  _check_positive_float("resilience.watchdog_timeout_s", r.watchdog_timeout_s, "a finite number of seconds > 0")
+  _check_int("resilience.straggler_every_steps", r.straggler_every_steps, 0, "an integer >= 0 (0: never compare)")
+  if not _is_number(r.straggler_factor) or not 1 < r.straggler_factor < math.inf:
+    raise ConfigError("resilience.straggler_factor", r.straggler_factor, "a finite number > 1")
 
 
 def _is_number(value: Any) -> bool:

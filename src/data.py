@@ -8,9 +8,12 @@
 - Rows are (start, length) windows into one int32 token stream. Packing: documents concatenated with the
   end-of-document token, windows of seq_len + 1 tokens at stride seq_len. Without packing: each document
   cut into windows of at most seq_len + 1 tokens, padded, with a loss mask.
-- The train stream is grain's MapDataset: shuffled per epoch from `train.seed`, repeated forever, and
-  split across processes by striding (process p takes rows p, p + P, ...), so P processes together see
-  the rows one process would see. Its iterator state is a small JSON dict that checkpoints store.
+- The train stream is grain's MapDataset: shuffled per epoch from `train.seed`, repeated forever, and cut
+  into global batches of `train.global_batch_size` rows. A process reads only the rows of each global
+  batch that its devices hold (`rows`, from the batch sharding: a contiguous block, the whole batch when the
+  batch is not split across processes), so any number of processes together see exactly the batches one
+  process would see, in the same order. The iterator state is a small JSON dict that checkpoints store;
+  it counts global batches, so a checkpoint resumes under any process count.
 All data lives in memory: meant for corpora of up to a few GB of tokens.
 """
 
@@ -86,12 +89,12 @@ class Data:
   eval_tokens: int
 
 
-def build_data(config: Config, process_index: int = 0, process_count: int = 1) -> Data:
+def build_data(config: Config, rows: range | None = None) -> Data:
+  """The data of `config`; `rows` are the rows of each global batch this process loads (default: all)."""
   cfg, train = config.data, config.train
-  if train.global_batch_size % process_count:
-    raise ConfigError("train.global_batch_size", train.global_batch_size,
-                      f"a multiple of the process count {process_count}")
-  local_batch = train.global_batch_size // process_count
+  rows = range(train.global_batch_size) if rows is None else rows
+  if rows.step != 1 or not 0 <= rows.start < rows.stop <= train.global_batch_size:
+    raise ValueError(f"rows must be a contiguous block of the {train.global_batch_size} rows of a batch, got {rows}")
   tokenizer = load_tokenizer(cfg, config.model.vocab_size)
   train_docs, eval_docs = _documents(cfg)
   splits = {}
@@ -103,14 +106,23 @@ def build_data(config: Config, process_index: int = 0, process_count: int = 1) -
                       f"{needed} row(s) of seq_len + 1 = {train.seq_len + 1} tokens")
     splits[name] = _RowSource(stream, starts, lengths, train.seq_len)
   shuffled = grain.MapDataset.source(splits["train"]).shuffle(seed=train.seed).repeat()
-  train_iter = shuffled[process_index::process_count].batch(local_batch).to_iter_dataset().__iter__()
-  eval_rows = grain.MapDataset.source(splits["eval"]).repeat()[process_index::process_count]
-  eval_iter = eval_rows.batch(local_batch).to_iter_dataset().__iter__()
+  train_iter = _batches(shuffled, train.global_batch_size, rows).to_iter_dataset().__iter__()
+  eval_rows = grain.MapDataset.source(splits["eval"]).repeat()
+  eval_iter = _batches(eval_rows, train.global_batch_size, rows).to_iter_dataset().__iter__()
   eval_batches = [next(eval_iter) for _ in range(train.eval_batches)]
   counts = np.bincount(splits["train"].stream, minlength=tokenizer.vocab_size)
   p = counts[counts > 0] / counts.sum()
   return Data(tokenizer, train_iter, eval_batches, float(-np.sum(p * np.log(p))),
               len(splits["train"].stream), len(splits["eval"].stream))
+
+
+def _batches(dataset: grain.MapDataset, batch_size: int, rows: range) -> grain.MapDataset:
+  """Batch i holds rows `rows` of global batch i, i.e. elements i * batch_size + rows of `dataset`."""
+  if len(rows) == batch_size:
+    return dataset.batch(batch_size)
+  block = len(rows)
+  index = lambda i: (i // block) * batch_size + rows.start + i % block
+  return grain.MapDataset.range(len(dataset) // batch_size * block).map(lambda i: dataset[index(i)]).batch(block)
 
 
 @dataclasses.dataclass

@@ -17,7 +17,8 @@ were), dropping a torn last line, so the finished file reads exactly like an uni
 `resume_step=0` (no checkpoint) starts the file afresh. TensorBoard gets the same treatment through its
 purge marker: events of the old run from the first re-run step on are hidden.
 
-Only the primary process writes anything; on the others every method returns at once.
+Only the primary process writes anything; on the others every method returns at once. Besides `train` and
+`eval` records, multi-process runs write `processes` records (per-process step times and stragglers).
 
 Also here: per-layer expert load imbalance, a table of accelerator peak FLOP/s and model FLOPs utilisation
 (MFU, from the cost model's useful FLOPs).
@@ -93,6 +94,11 @@ class MetricsLogger:
     else:
       print(line, flush=True)
 
+  def log_processes(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """A comparison of the processes (meshmoe.stragglers): JSON and TensorBoard, per-process lists."""
+    if self.is_primary:
+      self._write("processes", step, metrics, list_item="process")
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
@@ -110,7 +116,7 @@ class MetricsLogger:
   def __exit__(self, *exc_info) -> None:
     self.close()
 
-  def _write(self, kind: str, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+  def _write(self, kind: str, step: int, metrics: Mapping[str, Any], list_item: str = "layer") -> dict[str, Any]:
     if self._file is None:
       raise ValueError("MetricsLogger is closed")
     clash = [key for key in _RESERVED if key in metrics]
@@ -120,7 +126,7 @@ class MetricsLogger:
     # allow_nan=False: a non-finite float that slipped past to_json fails here instead of corrupting the file.
     self._file.write(json.dumps(record, allow_nan=False) + "\n")
     self._file.flush()
-    _write_scalars(self._writer, kind, record)
+    _write_scalars(self._writer, kind, record, list_item)
     return record
 
   def _step_prefix(self, step: int) -> str:
@@ -190,7 +196,7 @@ def _summary_writer(logdir: Path, resume_step: int):
   return SummaryWriter(str(logdir), purge_step=purge_step, filename_suffix=suffix)
 
 
-def _write_scalars(writer, kind: str, record: Mapping[str, Any]) -> None:
+def _write_scalars(writer, kind: str, record: Mapping[str, Any], list_item: str = "layer") -> None:
   step = record["step"]
   for name, value in record.items():
     if name in _RESERVED:
@@ -198,11 +204,11 @@ def _write_scalars(writer, kind: str, record: Mapping[str, Any]) -> None:
     if _is_number(value):
       writer.add_scalar(f"{kind}/{name}", value, step)
     elif isinstance(value, list) and all(_is_number(v) or v is None for v in value):
-      # A flat list is one value per MoE layer (e.g. expert_load_imbalance). Deeper arrays (the raw
-      # [layers, experts] load) stay in metrics.jsonl: hundreds of scalar curves would bury the rest.
+      # A flat list is one value per MoE layer (e.g. expert_load_imbalance) or per process. Deeper arrays
+      # (the raw [layers, experts] load) stay in metrics.jsonl: hundreds of scalar curves would bury the rest.
       for i, v in enumerate(value):
         if v is not None:
-          writer.add_scalar(f"{kind}/{name}/layer_{i}", v, step)
+          writer.add_scalar(f"{kind}/{name}/{list_item}_{i}", v, step)
     # None (a non-finite value) and strings are skipped: TensorBoard scalars are numbers.
 
 

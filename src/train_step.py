@@ -8,6 +8,10 @@ One step = `train.grad_accum_steps` micro-batches scanned in sequence, their gra
 optimizer update. The batch is split into micro-batches by striding (micro-batch i holds rows i, i + A,
 ...), so every device keeps its share of each micro-batch. The loss is the mean cross-entropy over all
 the step's unmasked tokens plus the router losses averaged over micro-batches, identical to one big batch.
+A step whose loss or gradient norm is NaN/Inf keeps the state it started from (meshmoe.nonfinite).
+
+With several processes each one holds only some rows of the global batch (`process_rows`: those its
+devices hold) and `place_batch` assembles the global array from every process's rows.
 """
 
 import dataclasses
@@ -21,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshmoe import optimizer as optimizer_lib
+from meshmoe import nonfinite, optimizer as optimizer_lib
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
@@ -93,10 +97,36 @@ def create_abstract(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
   return trainer, state
 
 
+def process_rows(config: Config, mesh: Mesh) -> range:
+  """The rows of each global batch that this process's devices hold: a contiguous block (the whole batch
+  when the batch is not split across processes), because the mesh puts hosts outermost."""
+  size, shape = config.train.global_batch_size, (config.train.global_batch_size, config.train.seq_len)
+  indices = batch_sharding(mesh, config.mesh.preset).addressable_devices_indices_map(shape).values()
+  spans = sorted(index[0].indices(size)[:2] for index in indices)
+  covered = set().union(*(range(start, stop) for start, stop in spans))
+  rows = range(spans[0][0], max(stop for _, stop in spans))
+  if covered != set(rows):
+    raise ValueError(f"this process's devices hold batch rows {sorted(covered)}, not one contiguous block")
+  return rows
+
+
 def place_batch(batch: dict[str, np.ndarray], config: Config, mesh: Mesh) -> dict[str, jax.Array]:
-  """Turns this process's rows of a batch into global arrays sharded like the preset's batch."""
+  """Global arrays sharded like the preset's batch, from this process's rows (`process_rows`) of it."""
   sharding = batch_sharding(mesh, config.mesh.preset)
-  return {name: jax.make_array_from_process_local_data(sharding, value) for name, value in batch.items()}
+  rows = process_rows(config, mesh)
+
+  def place(name: str, local: np.ndarray) -> jax.Array:
+    if local.shape[0] != len(rows):
+      raise ValueError(f"batch[{name!r}] holds {local.shape[0]} rows; this process holds rows {rows}")
+    shape = (config.train.global_batch_size, *local.shape[1:])
+    return jax.make_array_from_callback(shape, sharding, lambda index: local[_local_index(index, rows, shape)])
+
+  return {name: place(name, value) for name, value in batch.items()}
+
+
+def _local_index(index: tuple[slice, ...], rows: range, shape: tuple[int, ...]) -> tuple[slice, ...]:
+  start, stop, _ = index[0].indices(shape[0])
+  return (slice(start - rows.start, stop - rows.start), *index[1:])
 
 
 def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
@@ -115,6 +145,7 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
 def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, shardings) -> Callable:
   moe, count = config.model.moe, config.train.grad_accum_steps
   grad_shardings = param_shardings(shardings.params, mesh, config.mesh.preset)
+  stacked = nonfinite.stacked_leaves(shardings.params)
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     total_tokens = jnp.sum(batch["mask"])
@@ -137,6 +168,9 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
       (loss, grads), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+    grad_sq_norms = nonfinite.squared_norms(grads, stacked)
+    grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -144,17 +178,20 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, 
     model = nnx.merge(graphdef, params, state.others)
     model.update_expert_bias(expert_load)
     _, _, others = nnx.split(model, nnx.Param, ...)
-    new_state = TrainState(state.step + 1, params, others, opt_state, jax.random.split(state.rng)[0])
+    kept = nonfinite.guard(finite, (params, others, opt_state), (state.params, state.others, state.opt_state))
+    new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0])
     metrics = {
         "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
         "aux_loss": jnp.mean(terms["aux_loss"]), "z_loss": jnp.mean(terms["z_loss"]),
-        "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step),
+        "grad_norm": grad_norm, "learning_rate": schedule(state.step),
         "expert_load": expert_load, "dropped_fraction": jnp.mean(terms["dropped_fraction"], axis=0),
-        "tokens": total_tokens,
+        "tokens": total_tokens, "finite": finite, "grad_sq_norms": grad_sq_norms,
     }
     return new_state, metrics
 
-  return jax.jit(train_step, in_shardings=(shardings, None), out_shardings=(shardings, None),
+  # Metrics are small and replicated, so every process can read them.
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(train_step, in_shardings=(shardings, None), out_shardings=(shardings, replicated),
                  donate_argnums=0)
 
 
@@ -165,4 +202,4 @@ def _make_eval_step(graphdef, config: Config, mesh: Mesh) -> Callable:
                             batch["mask"])
     return {"ce_sum": terms["ce_sum"], "tokens": terms["tokens"]}
 
-  return jax.jit(eval_step)
+  return jax.jit(eval_step, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

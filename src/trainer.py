@@ -1,11 +1,18 @@
 """The training loop: data -> jitted step -> metrics, eval, checkpoints; at the end a plot and a sample.
 
 `train(config, workdir)` is what `python -m experiments.train` and notebooks call. A workdir that holds
-checkpoints is resumed from the newest one (state, optimizer, step, PRNG key and data position), so the
-remaining steps are exactly those of an uninterrupted run.
+checkpoints is resumed from the newest usable one (state, optimizer, step, PRNG key and data position), so
+the remaining steps are exactly those of an uninterrupted run.
 
-Host-side work stays off the critical path: the loop only waits for the device when it logs (every
-`train.log_every` steps), so data loading for the next step overlaps the current one.
+Host-side work stays off the critical path: the loop reads each step's small health flag one step late,
+while the next step runs, and otherwise waits for the device only when it logs, evaluates or saves, so
+data loading for the next step overlaps the current one.
+
+Between steps the loop applies the resilience policies (config.resilience; DESIGN.md "Resilience"): a
+SIGTERM stops every process at the same step with a checkpoint (meshmoe.resilience.Preemption); a
+non-finite step is skipped or halts the run (meshmoe.nonfinite); a watchdog ends the process when a
+step, evaluation or checkpoint wait hangs (meshmoe.resilience.Watchdog); processes compare their step
+times to name stragglers (meshmoe.stragglers).
 """
 
 import dataclasses
@@ -15,8 +22,10 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from meshmoe import cost_model, data as data_lib, metrics as metrics_lib, report, sampling, train_step
+from meshmoe import (cost_model, data as data_lib, metrics as metrics_lib, nonfinite, report, resilience,
+                     sampling, stragglers, train_step)
 from meshmoe.checkpointing import Checkpointer
 from meshmoe.config import Config, profile_range
 from meshmoe.sharding.mesh import make_mesh
@@ -35,9 +44,15 @@ class RunSummary:
   resumed_from: int | None
   samples: dict[str, str]
   plot: pathlib.Path | None
+  preempted_at: int | None = None  # the step a SIGTERM stopped the run at (its checkpoint is saved)
+  skipped_steps: int = 0  # non-finite steps skipped (resilience.nan_policy="skip"), over the whole run
 
 
-def train(config: Config, workdir: str | pathlib.Path) -> RunSummary:
+def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 0.0) -> RunSummary:
+  """Trains `config` in `workdir`, resuming from its newest usable checkpoint.
+
+  `step_delay_s` makes this process sleep that long in every step: a debugging aid to watch the straggler
+  detector at work (experiments.train --debug_straggler), never set in a real run."""
   start_time = time.perf_counter()
   workdir = pathlib.Path(workdir)
   config.validate(jax.device_count())
@@ -46,68 +61,152 @@ def train(config: Config, workdir: str | pathlib.Path) -> RunSummary:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
   mesh = make_mesh(config.mesh)
-  data = data_lib.build_data(config, jax.process_index(), jax.process_count())
+  data = data_lib.build_data(config, train_step.process_rows(config, mesh))
   trainer, state = train_step.create(config, mesh)
   checkpointer = Checkpointer(workdir, config.checkpoint)
-  resumed_from = checkpointer.latest_step()
-  if resumed_from is not None:
-    state, data_state = checkpointer.restore(resumed_from, state)
-    data.train.set_state(data_state)
-    print(f"resuming from the checkpoint of step {resumed_from} in {checkpointer.directory}")
+  restored = checkpointer.restore_latest(state)
+  skipped_steps = 0
+  if restored is not None:
+    state, skipped_steps = restored.state, restored.skipped_steps
+    data.train.set_state(restored.data_state)
+    print(f"resuming from the checkpoint of step {restored.step} in {checkpointer.directory}", flush=True)
   first_step = int(state.step)
   eval_batches = [train_step.place_batch(b, config, mesh) for b in data.eval_batches]
-  b, s = config.train.global_batch_size, config.train.seq_len
-  flops_per_step = cost_model.train_step_flops(config.model, b, s)
-  peak = config.train.peak_flops_per_device or metrics_lib.peak_flops_per_device(
-      jax.devices()[0].device_kind, jax.default_backend())
-  profile = profile_range(config.train)
   compile_start = time.perf_counter()
   step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh)).compile()
   if is_primary:
     print(f"{config.train.steps - first_step} steps to go on mesh {dict(mesh.shape)} ({config.mesh.preset}); "
           f"train step compiled in {time.perf_counter() - compile_start:.1f}s; "
-          f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens")
+          f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens", flush=True)
 
-  with metrics_lib.MetricsLogger(workdir, total_steps=config.train.steps, is_primary=is_primary,
-                                 resume_step=first_step) as logger:
-    last_log_time, last_log_step, metrics, eval_loss = time.perf_counter(), first_step, None, None
-    tracing = False
-    for step in range(first_step, config.train.steps):
-      if step in profile and not tracing and is_primary:  # also when a resumed run starts inside the range
-        jax.profiler.start_trace(str(workdir / "profile"))
-        tracing = True
-      batch = train_step.place_batch(next(data.train), config, mesh)
-      state, metrics = step_fn(state, batch)
-      done = step + 1
-      if tracing and (done == profile.stop or done == config.train.steps):
-        jax.block_until_ready(state)
-        jax.profiler.stop_trace()
-        tracing = False
-      if done % config.train.log_every == 0 or done == config.train.steps:
-        step_time = (time.perf_counter() - last_log_time) / (done - last_log_step)
-        logger.log_train(done, _train_record(metrics, step_time, b * s, flops_per_step, peak))
-        last_log_time, last_log_step = time.perf_counter(), done
-      if (config.train.eval_every and done % config.train.eval_every == 0) or done == config.train.steps:
-        eval_loss = evaluate(trainer, state, eval_batches)
-        logger.log_eval(done, {"loss": eval_loss})
-        last_log_time = time.perf_counter()  # evaluation time is not step time
-      if done == config.train.steps or (config.checkpoint.every_steps
-                                        and done % config.checkpoint.every_steps == 0):
-        checkpointer.save(done, state, data.train.get_state())
-    final_loss = float(metrics["loss"]) if metrics is not None else float("nan")
-    if eval_loss is None:  # resumed a run that had already finished
-      eval_loss = evaluate(trainer, state, eval_batches)
-  checkpointer.wait()
-  checkpointer.close()
+  loop = _Loop(config, workdir, trainer, step_fn, data, eval_batches, checkpointer, mesh, step_delay_s,
+               nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps))
+  with resilience.Watchdog(config.resilience.watchdog_timeout_s, jax.process_index()) as watchdog:
+    try:
+      state, preempted_at = loop.run(state, first_step, watchdog)
+    except jax.errors.JaxRuntimeError as e:
+      if jax.process_count() > 1:  # no waiting for the checkpoint: its writers may be gone
+        raise resilience.ProcessLostError(watchdog.what, e) from None
+      raise
+    except BaseException:  # a halt (NaN) or Ctrl-C: a checkpoint being written is a good one
+      _finish_checkpoints(checkpointer, watchdog)
+      raise
+    _finish_checkpoints(checkpointer, watchdog)
+    watchdog.beat("sampling")
+    samples = {} if preempted_at is not None else _samples(config, trainer, state, data.tokenizer, is_primary)
+    watchdog.beat(None)
 
-  samples, plot = {}, None
+  plot = None
   if is_primary:
-    samples = _samples(config, trainer, state, data.tokenizer)
-    (workdir / "sample.txt").write_text("".join(f"--- {k} ---\n{v}\n\n" for k, v in samples.items()))
+    if samples:
+      (workdir / "sample.txt").write_text("".join(f"--- {k} ---\n{v}\n\n" for k, v in samples.items()))
     plot = report.plot_training(workdir / "metrics.jsonl", workdir / "training.png",
                                 reference_loss=data.unigram_entropy_nats, reference_label="unigram entropy")
-  return RunSummary(config.train.steps, final_loss, eval_loss, data.unigram_entropy_nats,
-                    time.perf_counter() - start_time, resumed_from, samples, plot)
+  return RunSummary(config.train.steps, loop.final_loss, loop.eval_loss, data.unigram_entropy_nats,
+                    time.perf_counter() - start_time, None if restored is None else restored.step, samples, plot,
+                    preempted_at, loop.nonfinite.skipped_steps)
+
+
+class _Loop:
+  """The steps of one run, with metrics, eval and checkpoints, and the resilience checks between steps."""
+
+  def __init__(self, config: Config, workdir: pathlib.Path, trainer: train_step.Trainer, step_fn, data,
+               eval_batches, checkpointer: Checkpointer, mesh, step_delay_s: float,
+               nonfinite_monitor: nonfinite.Monitor):
+    self.config, self.workdir, self.trainer, self.step_fn = config, workdir, trainer, step_fn
+    self.data, self.eval_batches, self.checkpointer, self.mesh = data, eval_batches, checkpointer, mesh
+    self.step_delay_s, self.nonfinite = step_delay_s, nonfinite_monitor
+    self.stragglers = stragglers.Monitor(config.resilience, jax.process_count(), jax.process_index())
+    self.final_loss, self.eval_loss = float("nan"), None
+    self._checked = self._saved = -1  # the newest step whose health was read, and the newest saved
+
+  def run(self, state, first_step: int, watchdog: resilience.Watchdog):
+    """Runs the remaining steps; returns (state, the step a SIGTERM stopped it at, or None)."""
+    c, is_primary = self.config, jax.process_index() == 0
+    tokens_per_step = c.train.global_batch_size * c.train.seq_len
+    flops_per_step = cost_model.train_step_flops(c.model, c.train.global_batch_size, c.train.seq_len)
+    peak = c.train.peak_flops_per_device or metrics_lib.peak_flops_per_device(
+        jax.devices()[0].device_kind, jax.default_backend())
+    profile, tracing, pending = profile_range(c.train), False, None
+    if self.checkpointer.latest_step() == first_step:
+      self._saved = first_step  # resumed from it: a stop before the first step has nothing new to save
+    preemption = resilience.Preemption()
+    with preemption, metrics_lib.MetricsLogger(self.workdir, total_steps=c.train.steps, is_primary=is_primary,
+                                               resume_step=first_step) as logger:
+      last_log_time, last_log_step = time.perf_counter(), first_step
+      for step in range(first_step, c.train.steps):
+        if preemption.reached(step):
+          self._check(pending, state, watchdog)
+          self._save(step, state, watchdog)
+          return state, step
+        done = step + 1
+        watchdog.beat(f"train step {done}")
+        self.stragglers.step_started()
+        if self.step_delay_s:
+          time.sleep(self.step_delay_s)
+        if step in profile and not tracing and is_primary:  # also when a resumed run starts inside the range
+          jax.profiler.start_trace(str(self.workdir / "profile"))
+          tracing = True
+        batch = train_step.place_batch(next(self.data.train), c, self.mesh)
+        state, metrics = self.step_fn(state, batch)
+        self._check(pending, state, watchdog)  # the previous step, while this one runs
+        pending = (done, metrics)
+        if tracing and (done == profile.stop or done == c.train.steps):
+          jax.block_until_ready(state)
+          jax.profiler.stop_trace()
+          tracing = False
+        if done % c.train.log_every == 0 or done == c.train.steps:
+          self._check(pending, state, watchdog)
+          step_time = (time.perf_counter() - last_log_time) / (done - last_log_step)
+          logger.log_train(done, _train_record(metrics, step_time, tokens_per_step, flops_per_step, peak)
+                           | {"skipped_steps": self.nonfinite.skipped_steps})
+          last_log_time, last_log_step = time.perf_counter(), done
+        self.stragglers.step_finished()
+        if (c.train.eval_every and done % c.train.eval_every == 0) or done == c.train.steps:
+          self._check(pending, state, watchdog)
+          watchdog.beat(f"evaluation at step {done}")
+          self.eval_loss = evaluate(self.trainer, state, self.eval_batches)
+          logger.log_eval(done, {"loss": self.eval_loss})
+          last_log_time = time.perf_counter()  # evaluation time is not step time
+        if done == c.train.steps or (c.checkpoint.every_steps and done % c.checkpoint.every_steps == 0):
+          self._check(pending, state, watchdog)
+          self._save(done, state, watchdog)
+        watchdog.beat(f"straggler comparison at step {done}")
+        comparison = self.stragglers.compare(done)
+        if comparison is not None:
+          logger.log_processes(done, comparison.record())
+          if comparison.stragglers:
+            print(self.stragglers.describe(done, comparison), flush=True)
+      self._check(pending, state, watchdog)
+      if pending is not None:
+        self.final_loss = float(pending[1]["loss"])
+      if self.eval_loss is None:  # resumed a run that had already finished
+        watchdog.beat("evaluation")
+        self.eval_loss = evaluate(self.trainer, state, self.eval_batches)
+    return state, None
+
+  def _check(self, pending, state, watchdog: resilience.Watchdog) -> None:
+    """Reads the health of step `pending[0]` once (blocking until it has run) and applies the NaN policy."""
+    if pending is None or pending[0] <= self._checked:
+      return
+    watchdog.beat(f"train step {pending[0]}, waiting for its result")
+    self.stragglers.waiting()
+    self.nonfinite.check(pending[0], pending[1], state.params)
+    self.stragglers.done_waiting()
+    self._checked = pending[0]
+
+  def _save(self, step: int, state, watchdog: resilience.Watchdog) -> None:
+    if step == self._saved:
+      return
+    watchdog.beat(f"checkpoint save of step {step}")
+    self.checkpointer.save(step, state, self.data.train.get_state(), self.nonfinite.skipped_steps)
+    self._saved = step
+
+
+def _finish_checkpoints(checkpointer: Checkpointer, watchdog: resilience.Watchdog) -> None:
+  watchdog.beat("waiting for the last checkpoint to be written")
+  checkpointer.wait()
+  checkpointer.close()
 
 
 def evaluate(trainer: train_step.Trainer, state: train_step.TrainState, batches) -> float:
@@ -133,16 +232,23 @@ def _train_record(metrics: dict, step_time: float, tokens_per_step: int, flops_p
   }
 
 
-def _samples(config: Config, trainer, state, tokenizer) -> dict[str, str]:
-  """Greedy and temperature samples from `sample.prompt`."""
+def _samples(config: Config, trainer, state, tokenizer, is_primary: bool) -> dict[str, str]:
+  """Greedy and temperature samples from `sample.prompt` (the primary process's; {} on the others)."""
   temperatures = {"greedy": 0.0}
   if config.sample.temperature > 0:
     temperatures[f"temperature {config.sample.temperature:g}"] = config.sample.temperature
   params, others, rng = state.params, state.others, state.rng
   if sum(x.nbytes for x in jax.tree.leaves(params)) < _SAMPLE_ON_ONE_DEVICE_BYTES:
-    # A small model samples faster on one device than spread over many (no per-token collectives).
+    # A small model samples faster on one device than spread over many (no per-token collectives). With
+    # several processes every one takes part in gathering it; then only the primary samples.
+    if jax.process_count() > 1:
+      params, others, rng = multihost_utils.process_allgather((params, others, rng), tiled=True)
+    if not is_primary:
+      return {}
     params, others, rng = jax.device_put((params, others, rng), jax.local_devices()[0])
   ids = sampling.generate(trainer.graphdef, params, others, tokenizer.encode(config.sample.prompt),
                           temperatures=list(temperatures.values()), max_new_tokens=config.sample.max_new_tokens,
                           max_len=config.model.max_seq_len, rng=rng)
+  if not is_primary:
+    return {}
   return {name: tokenizer.decode(row) for name, row in zip(temperatures, ids, strict=True)}

@@ -1,4 +1,4 @@
-"""Test set-up: 8 simulated CPU devices, float32 matmuls at full precision."""
+"""Test set-up: 8 simulated CPU devices, float32 matmuls at full precision; the session's reference run."""
 import os
 
 # Must happen before jax is imported anywhere. The deviceless-compile flag is deviceless.COMPILE_FLAGS
@@ -14,3 +14,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+  """The uninterrupted reference run (tests/runs.py): one process, 8 devices, 24 steps. Its workdir."""
+  from tests import runs
+
+  workdir = tmp_path_factory.mktemp("reference")
+  runs.run(runs.train_command(workdir, *runs.REFERENCE_FLAGS))
+  return workdir

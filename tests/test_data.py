@@ -179,15 +179,20 @@ def test_epochs_reshuffle(tmp_path):
   assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
 
 
-def test_processes_split_each_batch(stdlib_config):
-  single = next(data.build_data(stdlib_config).train)["inputs"]
-  parts = [next(data.build_data(stdlib_config, process_index=p, process_count=2).train)["inputs"]
-           for p in range(2)]
-  assert parts[0].shape == (2, 32)
-  interleaved = np.stack([parts[0], parts[1]], axis=1).reshape(single.shape)
-  np.testing.assert_array_equal(interleaved, single)
-  with pytest.raises(ConfigError, match="a multiple of the process count 3"):
-    data.build_data(stdlib_config, process_index=0, process_count=3)
+def test_processes_load_their_block_of_each_batch(stdlib_config):
+  whole = data.build_data(stdlib_config)
+  blocks = [data.build_data(stdlib_config, rows) for rows in (range(0, 1), range(1, 3), range(3, 4))]
+  for _ in range(3):  # every global batch, in order: the blocks put together are the one-process batch
+    single = next(whole.train)
+    parts = [next(block.train) for block in blocks]
+    assert [p["inputs"].shape for p in parts] == [(1, 32), (2, 32), (1, 32)]
+    for name in ("inputs", "targets", "mask"):
+      np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), single[name])
+  np.testing.assert_array_equal(np.concatenate([b.eval_batches[0]["inputs"] for b in blocks]),
+                                whole.eval_batches[0]["inputs"])
+  assert blocks[1].train.get_state() == whole.train.get_state()  # counts global batches: any process count
+  with pytest.raises(ValueError, match="a contiguous block of the 4 rows"):
+    data.build_data(stdlib_config, range(2, 6))
 
 
 def test_eval_batches_are_fixed(stdlib_config):

@@ -1,65 +1,39 @@
 """End-to-end runs of `python -m experiments.train` in subprocesses on 8 simulated CPU devices.
 
-Covers: the loss falls on the embedded corpus; a run killed with SIGKILL and restarted on its workdir
-continues with bitwise the same metrics as an uninterrupted run; a checkpoint restored onto another mesh
-layout continues with the same losses (float tolerance); bad flags give one clear error.
+Covers: the loss falls on the embedded corpus; a run killed with SIGKILL at three random steps in turn and
+restarted each time on its workdir ends with bitwise the same metrics and parameters as an uninterrupted
+run; a checkpoint restored onto another mesh layout continues with the same losses (float tolerance); bad
+flags give one clear error.
 """
 
 import json
 import os
-import pathlib
+import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-# Fields that depend only on the computation (not on wall-clock time).
-DETERMINISTIC = ("loss", "cross_entropy", "aux_loss", "z_loss", "grad_norm", "learning_rate",
-                 "expert_load_imbalance", "dropped_fraction")
-STEPS, EVERY = 24, 8
-RUN_FLAGS = [f"--config.train.steps={STEPS}", f"--config.checkpoint.every_steps={EVERY}",
-             "--config.train.log_every=1", "--config.train.eval_every=8", "--config.train.eval_batches=2",
-             "--config.sample.max_new_tokens=8", "--config.train.profile_steps=2:4",
-             "--config.checkpoint.keep=2"]
+from tests import runs
+from tests.runs import EVERY, REPO, STEPS
+
+_env, _records = runs.env, runs.records
 
 
-def _env() -> dict:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+def _command(workdir, *flags):
+  return runs.train_command(workdir, *runs.REFERENCE_FLAGS, *flags)
 
 
-def _command(workdir: pathlib.Path, *flags: str) -> list[str]:
-  return [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *RUN_FLAGS, *flags]
-
-
-def _train(workdir: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
-  result = subprocess.run(_command(workdir, *flags), cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result
-
-
-def _records(workdir: pathlib.Path) -> list[dict]:
-  lines = (workdir / "metrics.jsonl").read_text().splitlines()
-  return [{k: v for k, v in json.loads(line).items() if k in DETERMINISTIC or k in ("step", "kind")}
-          for line in lines]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> pathlib.Path:
-  workdir = tmp_path_factory.mktemp("uninterrupted")
-  _train(workdir)
-  return workdir
+def _train(workdir, *flags):
+  return runs.run(_command(workdir, *flags))
 
 
 @pytest.mark.slow
-def test_run_writes_everything_and_the_loss_falls(uninterrupted):
+def test_run_writes_everything_and_the_loss_falls(reference_run):
+  uninterrupted = reference_run
   records = _records(uninterrupted)
   train = [r for r in records if r["kind"] == "train"]
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -79,27 +53,39 @@ def test_run_writes_everything_and_the_loss_falls(uninterrupted):
 
 
 @pytest.mark.slow
-def test_kill_9_and_restart_continues_bitwise(uninterrupted, tmp_path):
+def test_kill_9_at_three_random_steps_resumes_bitwise(reference_run, tmp_path):
+  seed = int(os.environ.get("MESHMOE_KILL_SEED", random.randrange(10_000)))
+  kill_steps = sorted(random.Random(seed).sample(range(2, STEPS), 3))
+  print(f"kill steps {kill_steps} (MESHMOE_KILL_SEED={seed} repeats them)")
   workdir = tmp_path / "killed"
-  process = subprocess.Popen(_command(workdir), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-  checkpoint = workdir / "checkpoints" / str(EVERY)
-  deadline = time.time() + 300
-  while not checkpoint.is_dir() and time.time() < deadline and process.poll() is None:
-    time.sleep(0.05)
-  assert process.poll() is None, "the run ended before it could be killed"
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  killed_at = [r["step"] for r in _records(workdir) if r["kind"] == "train"][-1]
-  assert killed_at < STEPS
+  newest_checkpoint = None
+  for number, target in enumerate(kill_steps):
+    process = runs.start(_command(workdir), tmp_path / f"attempt{number}.log")
+    runs.wait_for_step(tmp_path / f"attempt{number}.log", target, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    log = (tmp_path / f"attempt{number}.log").read_text()
+    _assert_resumed_from(log, newest_checkpoint)
+    killed_at = runs.last_step(workdir)
+    newest_checkpoint = max((int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()),
+                            default=None)
+    print(f"killed at step {killed_at}; newest checkpoint {newest_checkpoint}")
+    assert killed_at < STEPS
 
   result = _train(workdir)
-  assert "resumed from step" in result.stdout
-  assert _records(workdir) == _records(uninterrupted)
+  _assert_resumed_from(result.stdout, newest_checkpoint)
+  assert _records(workdir) == _records(reference_run)
+  runs.assert_bitwise_equal(runs.checkpoint_arrays(workdir, STEPS), runs.checkpoint_arrays(reference_run, STEPS))
+
+
+def _assert_resumed_from(log: str, step: int | None) -> None:
+  resumed = re.findall(r"resuming from the checkpoint of step (\d+)", log)
+  assert resumed == ([] if step is None else [str(step)]), log[-3000:]
 
 
 @pytest.mark.slow
-def test_restore_onto_another_layout(uninterrupted, tmp_path):
+def test_restore_onto_another_layout(reference_run, tmp_path):
+  uninterrupted = reference_run
   workdir = tmp_path / "relayout"
   # The data=8 run's step-16 checkpoint, as if the run had stopped there, continued on data=2 x expert=4.
   shutil.copytree(uninterrupted / "checkpoints" / str(2 * EVERY), workdir / "checkpoints" / str(2 * EVERY))
@@ -122,8 +108,8 @@ def test_restore_onto_another_layout(uninterrupted, tmp_path):
     (["--config.data.source=jsonl", "--config.data.paths=/nonexistent/*.jsonl"], "/nonexistent/*.jsonl"),
 ])
 def test_bad_flags_give_one_clear_error(tmp_path, flags, message):
-  result = subprocess.run(_command(tmp_path / "bad", *flags), cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+  result = subprocess.run(runs.train_command(tmp_path / "bad", *runs.REFERENCE_FLAGS, *flags), cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=300)
   assert result.returncode != 0
   assert message in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -1,0 +1,147 @@
+"""Property test: any single invalid field, in any section, on any shipped config, gives one ConfigError whose
+`.field` names that field.
+
+Each field has a strategy of values that are invalid for it on its own: wrong types, out-of-range numbers
+(zero, negatives, NaN, infinities), unknown choices, and the cross-field cases where the field itself is the
+one to blame (top_k above the expert count, an odd head_dim, a seq_len beyond max_seq_len, ...).
+`test_every_field_has_a_strategy` keeps the table complete when fields are added.
+"""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from experiments.configs import deepseek_v3, mixtral_8x7b, qwen3_30b_a3b, tiny_moe
+from meshmoe import config as config_lib
+from meshmoe.config import Config, ConfigError
+
+BASES = {"default": Config(), "tiny_moe": tiny_moe.get_config(), "mixtral_8x7b": mixtral_8x7b.get_config(),
+         "qwen3_30b_a3b": qwen3_30b_a3b.get_config(), "deepseek_v3": deepseek_v3.get_config()}
+
+_containers = st.lists(st.integers(), max_size=2) | st.dictionaries(st.text(max_size=2), st.integers(), max_size=1)
+not_an_int = st.floats(allow_nan=True) | st.text(max_size=5) | st.none() | st.booleans() | _containers
+not_a_number = st.text(max_size=5) | st.none() | st.booleans() | _containers
+not_a_string = st.integers() | st.floats() | st.none() | st.booleans() | _containers
+non_finite = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+def positive_int_bad():
+  return st.integers(max_value=0) | not_an_int
+
+
+def non_negative_int_bad():
+  return st.integers(max_value=-1) | not_an_int
+
+
+def positive_float_bad(none_allowed: bool = False):
+  wrong = not_a_number.filter(lambda v: v is not None) if none_allowed else not_a_number
+  return st.floats(max_value=0.0) | non_finite | wrong
+
+
+# Bounds, not filters: hypothesis rewrites `floats(max_value=0).filter(lambda x: x < 0)` into a strategy that
+# still draws 0.0 (seen with hypothesis 6.170).
+def non_negative_float_bad():
+  return st.floats(max_value=0.0, exclude_max=True) | non_finite | not_a_number
+
+
+def between_bad(low: float, high: float, low_ok: bool, high_ok: bool):
+  below = st.floats(max_value=low, exclude_max=low_ok)
+  above = st.floats(min_value=high, exclude_min=high_ok)
+  return below | above | st.just(math.nan) | not_a_number
+
+
+def choice_bad(choices):
+  return st.text(max_size=12).filter(lambda s: s not in choices) | st.integers() | st.none() | _containers
+
+
+def bool_bad():
+  return st.integers() | st.floats() | st.text(max_size=5) | st.none()
+
+
+POSITIVE_INTS = ["model.vocab_size", "model.embed_dim", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+                 "model.mlp_dim", "model.max_seq_len", "model.moe.num_experts", "model.moe.expert_mlp_dim",
+                 "train.steps", "train.global_batch_size", "train.log_every", "train.eval_batches",
+                 "checkpoint.keep", "parallel.moe_chunks", "resilience.max_consecutive_skips"]
+NON_NEGATIVE_INTS = ["model.moe.num_shared_experts", "model.moe.gemm_block_rows", "optimizer.warmup_steps",
+                     "train.eval_every", "checkpoint.every_steps", "sample.max_new_tokens",
+                     "resilience.straggler_every_steps"]
+POSITIVE_FLOATS = ["model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
+                   "optimizer.learning_rate", "optimizer.eps", "resilience.watchdog_timeout_s"]
+NON_NEGATIVE_FLOATS = ["model.moe.aux_loss_weight", "model.moe.z_loss_weight", "model.moe.expert_bias_update_rate",
+                       "optimizer.weight_decay", "optimizer.grad_clip_norm", "train.peak_flops_per_device",
+                       "sample.temperature"]
+CHOICES = {"model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
+           "model.moe.score_fn": config_lib.SCORE_FNS, "model.moe.gemm_impl": config_lib.GEMM_IMPLS,
+           "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
+           "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
+           "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
+BOOLS = ["model.tie_embeddings", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
+         "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save"]
+
+BAD: dict[str, st.SearchStrategy] = {
+    **{f: positive_int_bad() for f in POSITIVE_INTS},
+    **{f: non_negative_int_bad() for f in NON_NEGATIVE_INTS},
+    **{f: positive_float_bad() for f in POSITIVE_FLOATS},
+    **{f: non_negative_float_bad() for f in NON_NEGATIVE_FLOATS},
+    **{f: choice_bad(c) for f, c in CHOICES.items()},
+    **{f: bool_bad() for f in BOOLS},
+    **{f"mesh.{axis}": st.integers(max_value=-2) | st.just(0) | not_an_int for axis in config_lib.MESH_AXES},
+    "model.head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),
+    "model.num_dense_layers": st.integers(max_value=-1) | st.integers(min_value=10**4) | not_an_int,
+    "model.moe.top_k": positive_int_bad() | st.integers(min_value=10**4),  # more than the experts
+    "model.moe.capacity_factor": positive_float_bad(none_allowed=True),
+    "optimizer.min_learning_rate_ratio": between_bad(0, 1, low_ok=True, high_ok=True),
+    "optimizer.b1": between_bad(0, 1, low_ok=True, high_ok=False),
+    "optimizer.b2": between_bad(0, 1, low_ok=True, high_ok=False),
+    "train.seed": not_an_int,
+    "train.seq_len": positive_int_bad() | st.integers(min_value=10**6),  # beyond model.max_seq_len
+    "train.grad_accum_steps": positive_int_bad() | st.sampled_from([10_007, 65_537]),  # divides no batch
+    "train.profile_steps": (st.sampled_from(["5", "5:", ":5", "a:b", "3:3", "8:2", "1:2:3", " 1:2"])
+                            | not_a_string),
+    "data.paths": not_a_string | st.text(min_size=1, max_size=8).filter(str.strip),  # stdlib takes no paths
+    "data.eval_paths": not_a_string,
+    "data.eval_fraction": between_bad(0, 1, low_ok=False, high_ok=False),
+    "data.tokenizer": not_a_string | st.text(max_size=8).filter(lambda s: s != "byte" and not s.endswith(".json")),
+    "sample.prompt": not_a_string | st.just(""),
+    "resilience.straggler_factor": between_bad(1, math.inf, low_ok=False, high_ok=False),
+}
+
+
+def _leaf_fields(obj, prefix="") -> list[str]:
+  names = []
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    names += _leaf_fields(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+  return names
+
+
+def test_every_field_has_a_strategy():
+  assert sorted(_leaf_fields(Config())) == sorted(BAD)
+
+
+def _set(config: Config, path: str, value) -> None:
+  *parents, leaf = path.split(".")
+  for part in parents:
+    config = getattr(config, part)
+  setattr(config, leaf, value)
+
+
+@settings(max_examples=600, deadline=None)
+@given(base=st.sampled_from(sorted(BASES)), case=st.sampled_from(sorted(BAD)).flatmap(
+    lambda field: st.tuples(st.just(field), BAD[field])))
+def test_any_invalid_field_raises_a_config_error_naming_it(base, case):
+  field, value = case
+  config = copy.deepcopy(BASES[base])
+  _set(config, field, value)
+  with pytest.raises(ConfigError) as info:
+    config.validate()
+  assert info.value.field == field, (base, field, value, str(info.value))
+  assert str(info.value).startswith(f"config.{field}=")
+
+
+def test_the_shipped_configs_are_valid():
+  for config in BASES.values():
+    config.validate()

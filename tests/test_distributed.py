@@ -1,0 +1,110 @@
+"""Multi-process start-up: the topology from flags or SLURM, experiments.launch, and a 2-process run that
+trains like one process, stops at the same step on SIGTERM and resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshmoe import distributed
+from meshmoe.distributed import Topology, TopologyError
+from tests import runs
+from tests.runs import REPO, STEPS
+from tests.tolerances import FP32_MODEL_RTOL
+
+SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
+              "SLURM_STEP_NODELIST": "gpu[017-018,020],login1", "SLURM_LOCALID": "3"}
+
+
+def test_explicit_flags_win_and_must_come_together():
+  topology = distributed.resolve("node7:1234", 4, 2, [0, 1], environ=SLURM_TASK)
+  assert topology == Topology(4, 2, "node7:1234", (0, 1), "flags")
+  with pytest.raises(TopologyError, match="--process_id missing: a multi-process job needs"):
+    distributed.resolve("node7:1234", 4, None, environ={})
+  with pytest.raises(TopologyError, match=r"--process_id=4 is invalid: from 0 to --num_processes - 1 = 3"):
+    distributed.resolve("node7:1234", 4, 4, environ={})
+  with pytest.raises(TopologyError, match="--coordinator_address='node7' is invalid: host:port"):
+    distributed.resolve("node7", 2, 0, environ={})
+
+
+def test_slurm_step_environment():
+  topology = distributed.resolve(environ=SLURM_TASK)
+  # JAX's port for SLURM jobs: 61440 + job id % 4096; the first host of the step's node list.
+  assert topology == Topology(8, 3, f"gpu017:{61440 + 4242 % 4096}", None, "SLURM")
+  assert distributed.first_slurm_host("node001") == "node001"
+  assert distributed.first_slurm_host("a[9,11-12]") == "a9"
+
+
+def test_a_batch_script_or_a_laptop_is_one_process():
+  # The batch step of an sbatch job sees SLURM_NTASKS and SLURM_PROCID too, but is not a task of a step.
+  batch_step = {k: v for k, v in SLURM_TASK.items() if not k.startswith("SLURM_STEP")}
+  assert distributed.resolve(environ=batch_step) == Topology()
+  assert distributed.resolve(environ={}) == Topology()
+  assert not Topology().is_multi_process
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.train.steps=5"], "unknown launch flag(s) --config.train.steps=5; flags for experiments.train go "
+                                 "after '--'"),
+    (["--processes=0", "--"], "--processes=0 and --devices_per_process=4: both must be >= 1"),
+    (["--", "--process_id=1"], "--process_id=1: experiments.launch sets --coordinator_address, --num_processes, "
+                               "--process_id itself"),
+])
+def test_launch_rejects_bad_flags(args, message):
+  result = subprocess.run([sys.executable, "-m", "experiments.launch", *args], cwd=REPO, env=runs.env(),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  assert f"error: {message}" in result.stderr and "usage: python -m experiments.launch" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_train_rejects_half_a_topology(tmp_path):
+  result = subprocess.run(runs.train_command(tmp_path, "--num_processes=2"), cwd=REPO, env=runs.env(),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert "error: --coordinator_address, --process_id missing" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference_run, tmp_path):
+  """2 processes x 4 devices: SIGTERM to process 1 alone stops both at one step with a checkpoint, exit 0;
+  the re-run resumes, and the losses match the one-process 8-device run."""
+  workdir, output = tmp_path / "run", tmp_path / "first.log"
+  command = runs.launch_command(workdir, *runs.REFERENCE_FLAGS)
+  launcher = runs.start(command, output)
+  runs.wait_for_step(output, 10, launcher)
+  worker = runs.child_pid(launcher.pid, 1)
+  signalled = time.monotonic()
+  os.kill(worker, signal.SIGTERM)
+  assert launcher.wait(timeout=60) == 0, output.read_text()[-3000:]
+  took = time.monotonic() - signalled
+  stopped_at = int((workdir / "preempted").read_text())
+  print(f"SIGTERM to process 1: both processes stopped at step {stopped_at} with a checkpoint in {took:.1f}s")
+  assert took < 30
+  assert (workdir / "checkpoints" / str(stopped_at)).is_dir()
+  log = output.read_text()
+  assert log.count(f"preempted (SIGTERM): stopped at step {stopped_at} of {STEPS}") == 2  # both processes
+
+  started = time.monotonic()
+  result = runs.run(command)
+  print(f"resumed and finished in {time.monotonic() - started:.1f}s")
+  assert f"resuming from the checkpoint of step {stopped_at}" in result.stdout
+  assert f"[process 1] resuming from the checkpoint of step {stopped_at}" in result.stdout
+  assert not (workdir / "preempted").exists()
+
+  mine, reference = runs.records(workdir), runs.records(reference_run)
+  assert [(r["kind"], r["step"]) for r in mine] == [(r["kind"], r["step"]) for r in reference]  # written once
+  for record, expected in zip(mine, reference, strict=True):
+    for field in ("loss", "cross_entropy", "grad_norm"):
+      if field in expected:
+        assert record[field] == pytest.approx(expected[field], rel=FP32_MODEL_RTOL), (record["step"], field)
+  for process in (0, 1):
+    text = (workdir / "logs" / f"process_{process}.log").read_text()
+    assert f"process {process} of 2 on host" in text and f"resuming from the checkpoint of step {stopped_at}" in text
+  assert "step 24/24" not in (workdir / "logs" / "process_1.log").read_text()  # progress: process 0 only
+  assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == STEPS
