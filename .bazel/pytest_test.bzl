@@ -45,7 +45,7 @@ def pytest_file(src, slow = None, heavy = False, tags = [], **kwargs):
     """
     name = src[:-len(".py")]
 
-    # Bazel's sizes set the timeouts: medium 5 minutes, enormous 1 hour (2 cores shared with other work).
+    # Bazel's sizes set the timeouts (.bazelrc): medium 5 minutes, enormous 2 hours.
     size = "enormous" if heavy else "medium"
     tags = tags + (["heavy"] if heavy else [])
     if slow == None:
