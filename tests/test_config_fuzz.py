@@ -76,6 +76,7 @@ NON_NEGATIVE_FLOATS = ["model.moe.aux_loss_weight", "model.moe.z_loss_weight", "
 CHOICES = {"model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
            "model.moe.score_fn": config_lib.SCORE_FNS, "model.moe.gemm_impl": config_lib.GEMM_IMPLS,
            "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
+           "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
 BOOLS = ["model.tie_embeddings", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
