@@ -86,11 +86,12 @@ case "$task" in
     # The suite runs on 8 simulated CPU devices; tests/conftest.py sets the same flag for direct pytest use.
     export XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
     export JAX_PLATFORMS=cpu
-    # pytest-xdist workers, one per core up to 4: XLA compiles on one thread, so a second worker keeps a
-    # second core busy; each worker holds its own 8 devices (a few GiB). MESHMOE_TEST_WORKERS=0: no workers.
+    # pytest runs tests/ (pyproject.toml's testpaths) unless given paths. pytest-xdist workers, one per
+    # core up to 4: XLA compiles on one thread, so a second worker keeps a second core busy; each worker
+    # holds its own 8 devices (a few GiB). MESHMOE_TEST_WORKERS=0: no workers.
     cores="$(nproc)"
     workers="${MESHMOE_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
-    exec "$venv/bin/python" -m pytest tests -n "$workers" --dist worksteal "$@" ;;
+    exec "$venv/bin/python" -m pytest -n "$workers" --dist worksteal --durations=20 "$@" ;;
   bench) ensure_venv; exec "$venv/bin/python" -m experiments.bench "$@" ;;
   launch) ensure_venv; exec "$venv/bin/python" -m experiments.launch "$@" ;;
   setup) ensure_venv ;;

@@ -79,6 +79,11 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
           f"train step compiled in {time.perf_counter() - compile_start:.1f}s; "
           f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens", flush=True)
 
+  if jax.process_count() > 1:
+    # Processes finish compiling at different times (or load the step from the compilation cache); without
+    # meeting here, the first step's collectives would wait for the slowest inside the watchdog's watch.
+    multihost_utils.sync_global_devices("meshmoe: train step compiled")
+
   loop = _Loop(config, workdir, trainer, step_fn, data, eval_batches, checkpointer, mesh, step_delay_s,
                nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps))
   with resilience.Watchdog(config.resilience.watchdog_timeout_s, jax.process_index()) as watchdog:
