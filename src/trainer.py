@@ -79,12 +79,16 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
           f"train step compiled in {time.perf_counter() - compile_start:.1f}s; "
           f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens", flush=True)
 
+  # The eval step is compiled here too, not at the first evaluation: the watchdog does not watch compiling
+  # (a large model's takes minutes), and the processes meet below once all of it is done.
+  eval_fn = trainer.eval_step.lower(state.params, state.others, eval_batches[0]).compile() if eval_batches else None
+
   if jax.process_count() > 1:
     # Processes finish compiling at different times (or load the step from the compilation cache); without
     # meeting here, the first step's collectives would wait for the slowest inside the watchdog's watch.
-    multihost_utils.sync_global_devices("meshmoe: train step compiled")
+    multihost_utils.sync_global_devices("meshmoe: steps compiled")
 
-  loop = _Loop(config, workdir, trainer, step_fn, data, eval_batches, checkpointer, mesh, step_delay_s,
+  loop = _Loop(config, workdir, step_fn, eval_fn, data, eval_batches, checkpointer, mesh, step_delay_s,
                nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps))
   with resilience.Watchdog(config.resilience.watchdog_timeout_s, jax.process_index()) as watchdog:
     try:
@@ -115,10 +119,9 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
 class _Loop:
   """The steps of one run, with metrics, eval and checkpoints, and the resilience checks between steps."""
 
-  def __init__(self, config: Config, workdir: pathlib.Path, trainer: train_step.Trainer, step_fn, data,
-               eval_batches, checkpointer: Checkpointer, mesh, step_delay_s: float,
-               nonfinite_monitor: nonfinite.Monitor):
-    self.config, self.workdir, self.trainer, self.step_fn = config, workdir, trainer, step_fn
+  def __init__(self, config: Config, workdir: pathlib.Path, step_fn, eval_fn, data, eval_batches,
+               checkpointer: Checkpointer, mesh, step_delay_s: float, nonfinite_monitor: nonfinite.Monitor):
+    self.config, self.workdir, self.step_fn, self.eval_fn = config, workdir, step_fn, eval_fn
     self.data, self.eval_batches, self.checkpointer, self.mesh = data, eval_batches, checkpointer, mesh
     self.step_delay_s, self.nonfinite = step_delay_s, nonfinite_monitor
     self.stragglers = stragglers.Monitor(config.resilience, jax.process_count(), jax.process_index())
@@ -170,7 +173,7 @@ class _Loop:
         if (c.train.eval_every and done % c.train.eval_every == 0) or done == c.train.steps:
           self._check(pending, state, watchdog)
           watchdog.beat(f"evaluation at step {done}")
-          self.eval_loss = evaluate(self.trainer, state, self.eval_batches)
+          self.eval_loss = evaluate(self.eval_fn, state, self.eval_batches)
           logger.log_eval(done, {"loss": self.eval_loss})
           last_log_time = time.perf_counter()  # evaluation time is not step time
         if done == c.train.steps or (c.checkpoint.every_steps and done % c.checkpoint.every_steps == 0):
@@ -187,7 +190,7 @@ class _Loop:
         self.final_loss = float(pending[1]["loss"])
       if self.eval_loss is None:  # resumed a run that had already finished
         watchdog.beat("evaluation")
-        self.eval_loss = evaluate(self.trainer, state, self.eval_batches)
+        self.eval_loss = evaluate(self.eval_fn, state, self.eval_batches)
     return state, None
 
   def _check(self, pending, state, watchdog: resilience.Watchdog) -> None:
@@ -214,11 +217,11 @@ def _finish_checkpoints(checkpointer: Checkpointer, watchdog: resilience.Watchdo
   checkpointer.close()
 
 
-def evaluate(trainer: train_step.Trainer, state: train_step.TrainState, batches) -> float:
-  """Mean cross-entropy per unmasked token over the fixed eval batches."""
+def evaluate(eval_fn, state: train_step.TrainState, batches) -> float:
+  """Mean cross-entropy per unmasked token over the fixed eval batches; eval_fn: the compiled eval step."""
   ce_sum, tokens = 0.0, 0.0
   for batch in batches:
-    out = trainer.eval_step(state.params, state.others, batch)
+    out = eval_fn(state.params, state.others, batch)
     ce_sum, tokens = ce_sum + float(out["ce_sum"]), tokens + float(out["tokens"])
   return ce_sum / max(tokens, 1.0)
 
