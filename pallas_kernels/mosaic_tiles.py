@@ -105,6 +105,21 @@ def store_tile(value: jax.Array, dst_gmem) -> None:
   pl.run_scoped(store, plgpu.SMEM(value.shape, dst_gmem.dtype))
 
 
+def column_block(index, width: int) -> pl.Slice:
+  """Columns [index * width, (index + 1) * width), for a static or loop index."""
+  return pl.ds(pl.multiple_of(index * width, width), width)
+
+
+def zero_row_block(dst_gmem, num_blocks: int, width: int) -> None:
+  """Writes zeros to a row block of `num_blocks` x `width` columns, one tile at a time. A loop in the
+  kernel, not unrolled: Mosaic GPU's layout inference recurses once per operation, and unrolled column
+  loops over a model's full width (4096 and more) exceed Python's recursion limit."""
+
+  @pl.loop(0, num_blocks)
+  def _zero(c):
+    store_tile(jnp.zeros((dst_gmem.shape[0], width), jnp.float32), dst_gmem.at[:, column_block(c, width)])
+
+
 def load_tile(src_gmem) -> jax.Array:
   """A tile of global memory as a value (through shared memory)."""
 

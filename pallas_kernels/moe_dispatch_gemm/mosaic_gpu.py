@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -76,10 +75,13 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: Plan, ax
         @pl.when((s < num_send[0]) & (send_dst[s] == dst))
         def _():
           dst_tile = send_dst_tile[s]
-          for c in range(d // chunk):
-            columns = pl.ds(c * chunk, chunk)
+
+          @pl.loop(0, d // chunk)  # a loop in the kernel: unrolled, wide rows overflow layout inference
+          def _copy(c):
+            columns = mosaic_tiles.column_block(c, chunk)
             mosaic_tiles.store_tile(mosaic_tiles.load_tile(xs_ref.at[tile(s), columns]),
                                     destination.at[tile(dst_tile), columns])
+
           if p > 1:
             pl.semaphore_signal(arrived.at[dst_tile], 1, device_id=peer)
 
@@ -89,12 +91,8 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: Plan, ax
 
       @pl.when(m >= num_recv[0])
       def _():
-        zeros = jnp.zeros((tm, chunk), jnp.float32)
-        for c in range(d // chunk):
-          mosaic_tiles.store_tile(zeros, xr_ref.at[tile(m), pl.ds(c * chunk, chunk)])
-        for out_ref, f in zip(out_refs, widths):
-          for c in range(f // chunk):
-            mosaic_tiles.store_tile(zeros, out_ref.at[tile(m), pl.ds(c * chunk, chunk)])
+        for ref, width in ((xr_ref, d), *zip(out_refs, widths)):
+          mosaic_tiles.zero_row_block(ref.at[tile(m)], width // chunk, chunk)
 
     for w_ref, out_ref, f in zip(w_refs, out_refs, widths):
       n_tiles = f // tiles.block_n

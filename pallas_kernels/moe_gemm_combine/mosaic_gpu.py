@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -89,9 +88,7 @@ def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Pla
 
       @pl.when(s >= num_send[0])
       def _():
-        zeros = jnp.zeros((tm, tiles.block_n), jnp.float32)
-        for c in range(n_tiles):
-          mosaic_tiles.store_tile(zeros, ret_ref.at[tile(s), pl.ds(c * tiles.block_n, tiles.block_n)])
+        mosaic_tiles.zero_row_block(ret_ref.at[tile(s)], n_tiles, tiles.block_n)
 
   ret_SD = plgpu.kernel(
       body, out_type=ring.out_type((s_tiles * tm, d), dtype, *hs, *weights, axes=axes),

@@ -217,3 +217,26 @@ def test_mosaic_compute_path_equals_the_reference(num_sms):
   want = stages(dispatch_api.reference.dispatch_gemm, return_api.reference.gemm_return)(x, experts, gate, down)
   for g, w, name in zip(got, want, ("received rows", "products", "returned rows")):
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
+
+
+@pytest.mark.slow
+def test_mosaic_kernels_lower_at_full_size_widths():
+  """Mixtral-8x7B's widths on 8 devices (d_model 4096, expert width 14336 over tensor=4): the kernels'
+  column loops are loops in the kernel, not unrolled per column (unrolled, 8 peers x 32 column copies
+  overflowed Mosaic GPU's recursive layout inference)."""
+  mesh = harness.h100_mesh(8)
+  tokens, d, f = 64, 4096, 3584
+  spec = P("x")
+  shapes = [((8 * tokens, d), jnp.bfloat16), ((8 * tokens, TOP_K), jnp.int32),
+            ((8, d, f), jnp.bfloat16), ((8, d, f), jnp.bfloat16), ((8, f, d), jnp.bfloat16)]
+  args = [harness.abstract(mesh, shape, dtype, spec) for shape, dtype in shapes]
+
+  def per_device(x_TD, experts_TK, gate, up, down):
+    t, k = experts_TK.shape
+    plan = moe_routing.make_plan(experts_TK.reshape(-1), ("x",), 1, 64)
+    g, u = dispatch_api.dispatch_gemm(x_TD[jnp.arange(t * k) // k], (gate, up), plan, "x", tile_rows=64,
+                                      backend="mosaic_gpu")
+    return return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "x", backend="mosaic_gpu")
+
+  lowered = harness.per_device(per_device, mesh, (spec,) * 5, spec, check_vma=True).lower(*args)
+  assert lowered.as_text().count("mosaic_gpu") >= 2
