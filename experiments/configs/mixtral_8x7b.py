@@ -17,6 +17,11 @@ Parameters (meshmoe.cost_model.active_params): 46,702,792,704 total and 12,879,9
 in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.train_step_flops at
 seq_len 4096): 79.7 GFLOP per token.
 
+Compiled for 64 H100s (experiments/benchmarks/RESULTS.md, 2026-11-24), the step fits only with the
+fused kernels, hence parallel.impl "pallas": peak 67.8 GB per device, 1.07x the useful FLOPs. With the
+reference tier XLA multiplies each device's dropless worst-case receive buffer by its expert densely
+(8.7x the useful FLOPs) and the peak is 114.5 GB. (On CPUs "pallas" runs the xla tier, with a warning.)
+
 Choices:
 - mesh: preset "megascale" with expert=8 (one expert per rank, as there are 8), tensor=4, data=-1 (2 at
   64 devices). megascale splits only the experts (over expert), expert width and heads (over tensor) and
@@ -39,7 +44,7 @@ Choices:
 """
 
 from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig,
-                            TrainConfig)
+                            ParallelConfig, TrainConfig)
 
 
 def get_config() -> Config:
@@ -54,6 +59,7 @@ def get_config() -> Config:
               z_loss_weight=0.0, capacity_factor=None, gemm_impl="auto"),
       ),
       mesh=MeshConfig(data=-1, expert=8, tensor=4, sequence=1, preset="megascale"),
+      parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
       train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=16,
