@@ -106,7 +106,7 @@ def store_tile(value: jax.Array, dst_gmem) -> None:
 
 
 def column_block(index, width: int) -> pl.Slice:
-  """Columns [index * width, (index + 1) * width), for a static or loop index."""
+  """Columns [index * width, (index + 1) * width) for a kernel loop index."""
   return pl.ds(pl.multiple_of(index * width, width), width)
 
 
