@@ -4,7 +4,8 @@ It must be the reference's function: equal to dispatch.moe_local on one device, 
 the layouts and loads of test_expert_parallel.py. Its compiled programs must show the chunking: on CPU C
 times the token all-to-alls, each 1/C of the buffer; compiled deviceless for 8 H100s, C times the
 ragged-all-to-alls, and a GEMM scheduled while a token exchange is in flight (never so in the reference).
-The last test holds both tiers' GPU exchange to a backward without an all-reduce of its buffers.
+The last tests hold both tiers' GPU exchange to a backward without an all-reduce of its buffers, and the
+xla tier's expert-gradient all-reduce to the reference's bytes.
 """
 
 import re
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
-from meshmoe import deviceless, hlo_module
+from meshmoe import deviceless, hlo_collectives, hlo_module
 from meshmoe.config import ParallelConfig
 from meshmoe.sharding import dispatch, expert_parallel, moe_pipeline
 from meshmoe.sharding.rules import PRESETS, logical_to_spec
@@ -129,10 +130,12 @@ _SCHEDULER = {"xla_gpu_enable_latency_hiding_scheduler": True,
               "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
-def _h100(sizes, preset, parallel, grad=False) -> hlo_module.HloModule:
-  """The op compiled deviceless for 8 H100s (gemm_impl "auto": ragged_dot, exchanges ragged_all_to_all)."""
+def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_module.HloModule:
+  """The op compiled deviceless for 8 H100s (gemm_impl "auto": ragged_dot, exchanges ragged_all_to_all).
+  Weights are float32, as the model's parameters; `tokens_dtype` is the compute dtype."""
   mesh = deviceless.gpu_mesh(sizes, AXES)
   x, experts, weights, w = _inputs("dropped")
+  x = x.astype(tokens_dtype)
   with use_rules(mesh, preset):
     tokens = activation_sharding(("act_batch", "act_seq", None))
   param = lambda names: NamedSharding(mesh, logical_to_spec(names, PRESETS[preset].params))
@@ -198,3 +201,17 @@ def test_h100_backward_sums_no_exchange_buffer_over_devices(parallel):
   gradients, and an all-reduce of every exchange buffer). Under `ep` nothing needs an all-reduce."""
   module = _h100((1, 8, 1, 1), "ep", parallel, grad=True)
   assert _count(module, ("all-reduce", "all-reduce-start")) == 0
+
+
+def test_h100_expert_gradients_are_summed_in_the_compute_dtype_once():
+  """bfloat16 tokens, float32 weights (the model's mixed precision), on a layout where the expert weights
+  are the same on both data rows, so their gradient is summed over `data`. Each chunk's GEMM used to cast
+  the weights and mark them as varying itself: autodiff then summed each chunk's bfloat16 gradient on its
+  own and XLA joined the sums into one float32 all-reduce, twice the reference's bytes."""
+  def all_reduce_bytes(parallel):
+    module = _h100((2, 4, 1, 1), "ep", parallel, grad=True, tokens_dtype=jnp.bfloat16)
+    return hlo_collectives.bytes_by_kind(hlo_collectives.collectives(module, 8)).get("all-reduce", 0.0)
+
+  reference = all_reduce_bytes(None)
+  assert reference > 0
+  assert all_reduce_bytes(_xla(2)) == pytest.approx(reference)
