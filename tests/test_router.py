@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshmoe import deviceless, hlo_collectives
 from meshmoe.config import MoEConfig
-from meshmoe.models.router import Router, update_expert_bias
+from meshmoe.models.router import Router, top_k_experts, update_expert_bias
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
 D, E = 8, 4
@@ -112,3 +115,36 @@ def test_router_losses_have_gradients(score_fn):
 
   grads = jax.grad(losses)(params)
   assert float(jnp.sum(jnp.abs(grads["kernel_DE"][...]))) > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_top_k_experts_is_lax_top_k(k):
+  """Random scores, and scores drawn from four values (many ties): the same experts in the same order."""
+  random = jax.random.normal(jax.random.key(3), (3, 7, 8))
+  tied = jax.random.randint(jax.random.key(4), (3, 7, 8), 0, 4).astype(jnp.float32)
+  for scores in (random, tied):
+    np.testing.assert_array_equal(np.asarray(top_k_experts(scores, k)),
+                                  np.asarray(jax.lax.top_k(scores, k)[1]))
+
+
+def test_top_k_experts_are_distinct_when_scores_are_minus_infinity():
+  scores = jnp.array([[-jnp.inf] * 4, [0.5, -jnp.inf, -jnp.inf, -jnp.inf]])
+  np.testing.assert_array_equal(np.asarray(top_k_experts(scores, 3)), [[0, 1, 2], [0, 1, 2]])
+
+
+def test_routing_compiled_for_h100_keeps_tokens_on_their_devices():
+  """Batch split over 2 devices and sequence over 4 (the megascale layout), compiled for 8 H100s: the
+  routing (choice, weights and losses) needs only all-reduces of per-expert sums. With `lax.top_k` XLA's
+  GPU partitioner all-gathered every token's scores to every device."""
+  mesh = deviceless.gpu_mesh((2, 4), ("data", "sequence"))
+  tokens = NamedSharding(mesh, PartitionSpec("data", "sequence", None))
+  router = Router(D, MoEConfig(num_experts=16, top_k=4), std=0.5, rngs=nnx.Rngs(0))
+
+  def route(x):
+    out = router(x)
+    return out.experts_TK, out.weights_TK, out.aux_loss, out.z_loss, out.load_E
+
+  x = jax.ShapeDtypeStruct((8, 64, D), jnp.float32, sharding=tokens)
+  compiled = jax.jit(route, out_shardings=(tokens, tokens, None, None, None)).lower(x).compile()
+  kinds = {c.kind for c in hlo_collectives.collectives(compiled.as_text(), 8)}
+  assert kinds <= {"all-reduce"}, kinds
