@@ -18,7 +18,7 @@ in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.t
 seq_len 4096): 79.7 GFLOP per token.
 
 Compiled for 64 H100s (experiments/benchmarks/RESULTS.md, 2026-11-24), the step fits only with the
-fused kernels, hence parallel.impl "pallas": peak 67.8 GB per device, 1.07x the useful FLOPs. With the
+fused kernels, hence parallel.impl "pallas": peak 67.6 GB per device, 1.07x the useful FLOPs. With the
 reference tier XLA multiplies each device's dropless worst-case receive buffer by its expert densely
 (8.7x the useful FLOPs) and the peak is 114.5 GB. (On CPUs "pallas" runs the xla tier, with a warning.)
 
