@@ -28,14 +28,19 @@ Choices:
   expert whole (tensor=4 would leave 192-wide expert GEMMs) and makes attention sequence parallel over
   the same 32 devices (MegaScale-MoE's layout), which is cheap here: only 4 key-value heads are
   gathered. The 4 key-value heads cap tensor at 4.
-- remat "dots": per device activations are small (d_model 2048; 64 sequences x 128 tokens = 8K
+- remat "dots": per device activations are small (d_model 2048; 32 sequences x 128 tokens = 4K
   tokens per device per micro-batch at 64 devices), so keeping the q/k/v/output projections and router
-  logits (~7.4K values per token per layer beside the 2K input, ~6 GB in all here) is affordable and
+  logits (~7.4K values per token per layer beside the 2K input, ~3 GB in all here) is affordable and
   skips their recompute, 26% of a layer's matmul FLOPs at 4096 tokens. The expert GEMMs (ragged_dot) are not
   dot_general, so "dots" recomputes them like "full" does. Use remat="full" where memory is short.
 - train: 4096-token sequences (Qwen3's pre-training stages 1-2), 1024 per step (4.2M tokens; the
-  report does not give the batch) in 8 micro-batches. steps only sets the schedule length (~1T tokens of
-  the published 36T).
+  report does not give the batch) in 16 micro-batches (memory, below). steps only sets the schedule
+  length (~1T tokens of the published 36T).
+- parallel.impl "pallas", 16 micro-batches: compiled for 64 H100s (experiments/benchmarks/RESULTS.md,
+  2026-11-24) this is the first layout that fits: peak 75.4 GB per device (89%). With the reference tier
+  XLA multiplies each device's dropless worst-case receive buffer by all 4 local experts densely (101x
+  the useful FLOPs, 385 GB); the fused kernels at 8 micro-batches peak at 97.7 GB (remat "dots") or
+  94.8 GB (remat "full"). (On CPUs "pallas" runs the xla tier, with a warning.)
 - optimizer: the report gives no optimizer settings; AdamW, peak lr 3e-4, 2000 warmup steps, cosine to
   10%, betas (0.9, 0.95), weight decay 0.1, clip 1.0.
 - router losses: aux_loss_weight 0.008 is the Hugging Face router_aux_loss_coef 0.001 times top_k: HF's
@@ -44,7 +49,7 @@ Choices:
 """
 
 from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig,
-                            TrainConfig)
+                            ParallelConfig, TrainConfig)
 
 
 def get_config() -> Config:
@@ -60,9 +65,10 @@ def get_config() -> Config:
               z_loss_weight=0.0, capacity_factor=None, gemm_impl="auto"),
       ),
       mesh=MeshConfig(data=-1, expert=32, tensor=1, sequence=1, preset="megascale"),
+      parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=8,
+      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=16,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )
