@@ -12,7 +12,6 @@ plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it d
 
 import json
 import os
-import pathlib
 import sys
 
 from absl import app, flags
@@ -32,6 +31,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if _DEVICES.value % _HOSTS.value:
     sys.exit(f"error: --devices={_DEVICES.value} does not split evenly over --hosts={_HOSTS.value}")
+  out, hlo = cli.writable_output(_OUT.value, "out"), cli.writable_output(_HLO.value, "hlo")
   # Before JAX is imported (the platform) and starts its backend (the device count, the XLA flags).
   os.environ["JAX_PLATFORMS"] = "cpu"  # GPU targets compile on this machine's CPU, without a GPU
   from meshmoe import deviceless
@@ -52,14 +52,15 @@ def main(argv):
   except (ConfigError, RuntimeError, ValueError) as e:
     sys.exit(f"error: {e}")
   print(report.table())
-  if _HLO.value:
-    pathlib.Path(_HLO.value).write_text(report.hlo_text)
-    print(f"compiled HLO: {_HLO.value}")
-  if _OUT.value:
-    out = pathlib.Path(_OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report.data, indent=1) + "\n")
-    print(f"report: {out}")
+  try:
+    if out:
+      out.write_text(json.dumps(report.data, indent=1) + "\n")
+      print(f"report: {out}")
+    if hlo:
+      hlo.write_text(report.hlo_text)
+      print(f"compiled HLO: {hlo}")
+  except OSError as e:
+    sys.exit(f"error: writing {e.filename}: {e.strerror}")
   fits = report.data["memory"]["fits"]
   sys.exit(3 if fits is False else 0)
 

@@ -9,7 +9,8 @@ collective bytes compiled / cost model, peak memory per device. The rows go into
 experiments/benchmarks/RESULTS.md. The `pallas` tier's kernels are custom calls: their transfers show no
 HLO collective and their GEMMs no HLO dot, so both come from the kernels' own accounting (the cost
 model's): "in kernels MB", FLOPs added to the compiled count, and the overlap fraction with the kernels'
-transfers counted as overlapped in parentheses.
+transfers counted as overlapped in parentheses. With --out, the JSON is rewritten after every row, so a
+sweep that is stopped (each full-size row compiles for minutes) keeps the rows it has.
 """
 
 import json
@@ -19,11 +20,14 @@ import sys
 
 from absl import app, flags
 
+from experiments import cli
+
 _CONFIGS = flags.DEFINE_list("configs", ["tiny_moe", "moe_1b"], "experiment configs (experiments/configs/<name>.py)")
 _IMPLS = flags.DEFINE_list("impls", ["reference", "xla", "pallas"], "parallel-op tiers to compile")
 _PRESETS = flags.DEFINE_list("presets", None, "presets to compile (default: all of LAYOUTS)")
 _DEVICES = flags.DEFINE_integer("devices", 8, "GPUs to compile for")
-_OUT = flags.DEFINE_string("out", None, "also write the rows as JSON here")
+_OUT = flags.DEFINE_string("out", None, "also write the rows as JSON here (rewritten after every row)")
+_CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
 # (data, expert, tensor, sequence) per preset for 8 devices: each preset on a layout that exercises it.
 LAYOUTS = {
@@ -37,6 +41,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if _DEVICES.value != 8:
     sys.exit("error: LAYOUTS are written for --devices=8")
+  _check_choices()
+  out = cli.writable_output(_OUT.value, "out")
   os.environ["JAX_PLATFORMS"] = "cpu"
   from meshmoe import deviceless, xla_flags
 
@@ -66,8 +72,20 @@ def main(argv):
         row = _row(name, preset, sizes, impl, report)
         rows.append(row)
         print(_markdown(row), flush=True)
-  if _OUT.value:
-    pathlib.Path(_OUT.value).write_text(json.dumps(rows, indent=1) + "\n")
+        if out:
+          out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _check_choices() -> None:
+  """One line naming the bad value and the allowed ones, before anything compiles."""
+  from meshmoe.config import IMPLS  # no JAX import: the XLA flags are not set yet
+
+  available = sorted(p.stem for p in _CONFIG_DIR.glob("[!_]*.py"))
+  for flag, values, allowed in (("configs", _CONFIGS.value, available), ("impls", _IMPLS.value, IMPLS),
+                                ("presets", _PRESETS.value or [], list(LAYOUTS))):
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+      sys.exit(f"error: --{flag} has unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
 
 
 def _row(name, preset, sizes, impl, report) -> dict:

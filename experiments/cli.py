@@ -1,9 +1,11 @@
 """What the entry points share: the --config flag (an experiment file plus --config.a.b=v overrides),
-with one clear line for a missing file or an unknown field instead of a loader traceback."""
+with one clear line for a missing file or an unknown field instead of a loader traceback; and output
+paths checked before the work that fills them (a compile can take minutes)."""
 
 import pathlib
 import re
 import sys
+import tempfile
 
 from ml_collections import config_flags
 
@@ -31,3 +33,44 @@ def _check_config_path(argv: list[str]) -> None:
         available = ", ".join(str(p.relative_to(pathlib.Path.cwd())) if p.is_relative_to(pathlib.Path.cwd())
                               else str(p) for p in sorted(DEFAULT_CONFIG.parent.glob("[!_]*.py")))
         sys.exit(f"error: --config file {str(path)!r} does not exist; available: {available}")
+
+
+def writable_output(path: str | None, flag: str) -> pathlib.Path | None:
+  """The output file of `--flag`, its folder created; exits with one line if it cannot be written.
+
+  Called before compiling, so that a mistyped path costs nothing instead of the compiled result."""
+  if path is None:
+    return None
+  out = pathlib.Path(path)
+  try:
+    if out.is_dir():
+      raise OSError(f"{out} is a folder")
+    _make_folder(out.parent)
+    # Open it the way it will be written (os.access says yes to root even where the kernel says no);
+    # a file that did not exist is removed again, so a failed run leaves nothing behind.
+    existed = out.exists()
+    with open(out, "a"):
+      pass
+    if not existed:
+      out.unlink()
+  except OSError as e:
+    sys.exit(f"error: --{flag}={path} cannot be written ({e.strerror or e}); give a file path in a writable folder")
+  return out
+
+
+def writable_folder(path: pathlib.Path, flag: str) -> None:
+  """Creates the folder of `--flag` if needed; exits with one line if files cannot be written in it."""
+  try:
+    _make_folder(path)
+    with tempfile.TemporaryFile(dir=path):  # a unique name: the processes of a job share the folder
+      pass
+  except OSError as e:
+    sys.exit(f"error: --{flag}={path} cannot be written ({e.strerror or e}); give a writable folder")
+
+
+def _make_folder(path: pathlib.Path) -> None:
+  # mkdir alone would say "File exists" or "Not a directory" for a file in the way; name the file.
+  blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+  if blocking:
+    raise OSError(f"{blocking} is a file, not a folder")
+  path.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,7 @@ def main(argv):
   config = flags.FLAGS.config
   config_path = pathlib.Path(flags.FLAGS["config"].config_filename)
   workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / config_path.stem.split(":")[0])
+  cli.writable_folder(workdir, "workdir")
   try:
     config.validate()  # the fields alone; the mesh is checked once the devices are known
     ids = _device_ids(_LOCAL_DEVICE_IDS.value)

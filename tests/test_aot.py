@@ -1,5 +1,6 @@
 """The AOT report (meshmoe.aot, experiments.aot): the real train step compiled deviceless for 8 H100s and
-for the local CPU devices, held to the cost model; the command line's output, JSON and exit status.
+for the local CPU devices, held to the cost model; the command line's output, JSON and exit status; the
+comparison table (experiments.aot_table) that RESULTS.md's rows come from.
 
 Tolerances: matmul FLOPs within 10% of the cost model's executed FLOPs, memory within 20%, the bytes of
 the collectives only the parallel ops issue within 1% (+64 KB of GSPMD's int32 position traffic), all as
@@ -56,9 +57,9 @@ def test_report_holds_the_contract_and_matches_the_cost_model(target):
   assert "memory verdict" in aot.format_table(report)
 
 
-def _cli(*args, env_flags: str = "") -> subprocess.CompletedProcess:
+def _cli(*args, env_flags: str = "", module: str = "experiments.aot") -> subprocess.CompletedProcess:
   env = dict(os.environ, XLA_FLAGS=env_flags)
-  return subprocess.run([sys.executable, "-m", "experiments.aot", *args], env=env, capture_output=True,
+  return subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
                         text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -84,6 +85,53 @@ def test_command_line_rejects_bad_input_in_one_line():
   mesh = _cli("--target=h100", "--devices=6", "--config.mesh.expert=4")
   assert mesh.returncode != 0
   assert "error: config.mesh.data=-1 is invalid" in mesh.stderr and "Traceback" not in mesh.stderr
+
+
+def test_unwritable_outputs_are_refused_before_compiling(tmp_path):
+  """A mistyped --out or --hlo is one line at once, not a traceback after minutes of compiling."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("kept")
+  for module, arg, why in (
+      ("experiments.aot", f"--out={a_file}/report.json", f"{a_file} is a file, not a folder"),
+      ("experiments.aot", f"--hlo={tmp_path}", f"{tmp_path} is a folder"),
+      ("experiments.aot_table", f"--out={a_file}/rows.json", f"{a_file} is a file, not a folder")):
+    result = _cli(arg, module=module)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"cannot be written ({why})" in result.stderr, result.stderr[-3000:]
+    assert "memory verdict" not in result.stdout and "| config |" not in result.stdout  # nothing compiled
+  assert a_file.read_text() == "kept"
+  # A writable path in a folder that does not exist yet is fine, and the check leaves no file behind.
+  from experiments import cli
+  new = tmp_path / "new" / "report.json"
+  assert cli.writable_output(str(new), "out") == new and new.parent.is_dir() and not new.exists()
+
+
+def test_table_rejects_unknown_names_in_one_line():
+  for arg, expected in (
+      ("--configs=tiny_moe,mixtrl", "--configs has unknown 'mixtrl'; allowed: deepseek_v3, mixtral_8x7b,"),
+      ("--impls=xla,fused", "--impls has unknown 'fused'; allowed: reference, xla, pallas"),
+      ("--presets=ep,tp", "--presets has unknown 'tp'; allowed: dp, fsdp, zero1, ep, tp_sp, megascale")):
+    result = _cli(arg, module="experiments.aot_table")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert expected in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_table_row_is_the_report_of_that_layout(tmp_path):
+  """One row of the table (tiny_moe, dp on 8 H100s, reference tier): the printed markdown and the JSON
+  describe the same compiled step, held to the cost model like the report."""
+  from experiments import aot_table
+
+  out = tmp_path / "rows.json"
+  result = _cli("--configs=tiny_moe", "--presets=dp", "--impls=reference", f"--out={out}",
+                module="experiments.aot_table")
+  assert result.returncode == 0, result.stderr[-3000:]
+  (row,) = json.loads(out.read_text())
+  assert (row["config"], row["preset"], row["mesh"], row["impl"]) == ("tiny_moe", "dp", [8, 1, 1, 1], "reference")
+  assert aot_table._markdown(row) in result.stdout.splitlines()
+  assert row["compiled_over_cost_model"] == pytest.approx(1.0, abs=0.10), row
+  assert row["collective_bytes_compiled"] == pytest.approx(row["collective_bytes_cost_model"], rel=0.10), row
+  assert row["kernel_bytes"] == 0 and row["fits"] is True and 0.0 <= row["overlap_fraction"] <= 1.0
 
 
 def test_analysis_options_change_no_hlo():

@@ -115,6 +115,16 @@ def test_bad_flags_give_one_clear_error(tmp_path, flags, message):
   assert "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
+def test_workdir_that_cannot_be_a_folder_is_named(tmp_path):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("kept")
+  result = subprocess.run(runs.train_command(a_file / "run", *runs.REFERENCE_FLAGS), cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert f"error: --workdir={a_file}/run cannot be written ({a_file} is a file, not a folder)" in result.stderr
+  assert a_file.read_text() == "kept"
+
+
 def test_missing_config_file_is_named(tmp_path):
   result = subprocess.run([sys.executable, "-m", "experiments.train", "--config=experiments/configs/nope.py",
                            f"--workdir={tmp_path}"], cwd=REPO, env=_env(), capture_output=True, text=True,
