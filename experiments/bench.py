@@ -12,10 +12,10 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
-flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on accelerators)")
-flags.DEFINE_integer("steps", 10, "timed steps")
+flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on accelerators)", lower_bound=1)
+flags.DEFINE_integer("steps", 10, "timed steps", lower_bound=1)
 flags.DEFINE_string("preset", None, "sharding preset (default: the config's)")
 for _axis in ("data", "expert", "tensor", "sequence"):
   flags.DEFINE_integer(_axis, None, f"size of the {_axis} mesh axis")
@@ -26,6 +26,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # JAX's INFO lines about absent backends are not results
   if "jax" in sys.modules:
     raise RuntimeError("jax was imported before the device count could be set")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -35,6 +36,7 @@ def main(argv):
 
   from experiments.configs import tiny_moe
   from meshmoe import cost_collectives, cost_model, hlo_collectives, train_step
+  from meshmoe.config import ConfigError
   from meshmoe.sharding.mesh import make_mesh
 
   config = tiny_moe.get_config()
@@ -48,7 +50,10 @@ def main(argv):
     if getattr(FLAGS, axis) is not None:
       setattr(config.mesh, axis, getattr(FLAGS, axis))
   n = jax.device_count()
-  config.validate(n)
+  try:
+    config.validate(n)
+  except ConfigError as e:
+    sys.exit(f"error: {e}")
   mesh = make_mesh(config.mesh)
   trainer, state = train_step.create(config, mesh)
   b, s = config.train.global_batch_size, config.train.seq_len
