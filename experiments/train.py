@@ -54,12 +54,13 @@ def main(argv):
   config = flags.FLAGS.config
   config_path = pathlib.Path(flags.FLAGS["config"].config_filename)
   workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / config_path.stem.split(":")[0])
-  cli.writable_folder(workdir, "workdir")
   try:
     config.validate()  # the fields alone; the mesh is checked once the devices are known
     ids = _device_ids(_LOCAL_DEVICE_IDS.value)
     topology = distributed.resolve(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, ids)
     delay = _straggler_delay(_DEBUG_STRAGGLER.value, topology)
+    # After the flags' checks (a bad flag leaves no empty workdir), before the processes connect.
+    cli.writable_folder(workdir, "workdir")
     xla_flags.apply(config.parallel.xla_flags)  # before JAX starts a backend
     distributed.initialize(topology, config.resilience.watchdog_timeout_s)
   except (ConfigError, distributed.TopologyError, ValueError) as e:
