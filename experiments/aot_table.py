@@ -27,7 +27,6 @@ _IMPLS = flags.DEFINE_list("impls", ["reference", "xla", "pallas"], "parallel-op
 _PRESETS = flags.DEFINE_list("presets", None, "presets to compile (default: all of LAYOUTS)")
 _DEVICES = flags.DEFINE_integer("devices", 8, "GPUs to compile for")
 _OUT = flags.DEFINE_string("out", None, "also write the rows as JSON here (rewritten after every row)")
-_CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
 # (data, expert, tensor, sequence) per preset for 8 devices: each preset on a layout that exercises it.
 LAYOUTS = {
@@ -73,14 +72,17 @@ def main(argv):
         rows.append(row)
         print(_markdown(row), flush=True)
         if out:
-          out.write_text(json.dumps(rows, indent=1) + "\n")
+          try:
+            out.write_text(json.dumps(rows, indent=1) + "\n")
+          except OSError as e:
+            sys.exit(f"error: writing {out}: {e.strerror}; the rows so far are printed above")
 
 
 def _check_choices() -> None:
   """One line naming the bad value and the allowed ones, before anything compiles."""
   from meshmoe.config import IMPLS  # no JAX import: the XLA flags are not set yet
 
-  available = sorted(p.stem for p in _CONFIG_DIR.glob("[!_]*.py"))
+  available = [p.stem for p in cli.experiment_configs()]
   for flag, values, allowed in (("configs", _CONFIGS.value, available), ("impls", _IMPLS.value, IMPLS),
                                 ("presets", _PRESETS.value or [], list(LAYOUTS))):
     unknown = [v for v in values if v not in allowed]

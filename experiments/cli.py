@@ -25,13 +25,18 @@ def define_config_flag(argv: list[str]) -> None:
     sys.exit(f"error: unknown config override: {what}; see src/config.py for the fields")
 
 
+def experiment_configs() -> list[pathlib.Path]:
+  """The experiment config files shipped in experiments/configs/, sorted."""
+  return sorted(DEFAULT_CONFIG.parent.glob("[!_]*.py"))
+
+
 def _check_config_path(argv: list[str]) -> None:
   for arg in argv:
     if arg.startswith("--config="):
       path = pathlib.Path(arg.split("=", 1)[1].split(":")[0])
       if not path.is_file():
         available = ", ".join(str(p.relative_to(pathlib.Path.cwd())) if p.is_relative_to(pathlib.Path.cwd())
-                              else str(p) for p in sorted(DEFAULT_CONFIG.parent.glob("[!_]*.py")))
+                              else str(p) for p in experiment_configs())
         sys.exit(f"error: --config file {str(path)!r} does not exist; available: {available}")
 
 
