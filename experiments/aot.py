@@ -6,7 +6,7 @@
 
 Prints the cost model's figures beside the compiled program's (matmul FLOPs, peak memory, bytes per
 collective kind and how much of it overlaps compute) and whether the step fits in device memory; writes
-the JSON report (meshmoe.aot) to --out. Needs the `deviceless` extra for GPU targets (the CUDA PJRT
+the JSON report (meshmoe.analysis.aot) to --out. Needs the `deviceless` extra for GPU targets (the CUDA PJRT
 plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it does not.
 """
 
@@ -34,19 +34,19 @@ def main(argv):
   out, hlo = cli.writable_output(_OUT.value, "out"), cli.writable_output(_HLO.value, "hlo")
   # Before JAX is imported (the platform) and starts its backend (the device count, the XLA flags).
   os.environ["JAX_PLATFORMS"] = "cpu"  # GPU targets compile on this machine's CPU, without a GPU
-  from meshmoe import deviceless
+  from meshmoe.analysis import deviceless
 
   extra = ((f"--xla_force_host_platform_device_count={_DEVICES.value}",) if _TARGET.value == "cpu"
            else deviceless.COMPILE_FLAGS)
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
   config = flags.FLAGS.config
-  from meshmoe import xla_flags
+  from meshmoe.runtime import xla_flags
   from meshmoe.config import ConfigError
 
   try:
     config.validate(_DEVICES.value)
     xla_flags.apply(config.parallel.xla_flags)
-    from meshmoe import aot
+    from meshmoe.analysis import aot
 
     report = aot.analyze(config, _TARGET.value, _DEVICES.value, _HOSTS.value)
   except (ConfigError, RuntimeError, ValueError) as e:

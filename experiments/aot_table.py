@@ -3,7 +3,7 @@
   python -m experiments.aot_table --configs=tiny_moe,moe_1b --devices=8 [--impls=reference,xla] [--out=rows.json]
 
 For each config, preset (on the mesh layout of LAYOUTS) and tier, compiles the real train step for
-`--devices` H100s without a GPU (meshmoe.aot) and prints one markdown row: overlap_fraction, compiled
+`--devices` H100s without a GPU (meshmoe.analysis.aot) and prints one markdown row: overlap_fraction, compiled
 matmul FLOPs over the model's (with remat's recomputation) and over the cost model's executed FLOPs,
 collective bytes compiled / cost model, peak memory per device. The rows go into
 experiments/benchmarks/RESULTS.md. The `pallas` tier's kernels are custom calls: their transfers show no
@@ -43,13 +43,14 @@ def main(argv):
   _check_choices()
   out = cli.writable_output(_OUT.value, "out")
   os.environ["JAX_PLATFORMS"] = "cpu"
-  from meshmoe import deviceless, xla_flags
+  from meshmoe.analysis import deviceless
+  from meshmoe.runtime import xla_flags
 
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *deviceless.COMPILE_FLAGS]).strip()
   xla_flags.apply("overlap")  # the default preset; every row compiles under the same flags
   import importlib
 
-  from meshmoe import aot
+  from meshmoe.analysis import aot
   from meshmoe.config import MeshConfig
 
   rows = []

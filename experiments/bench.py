@@ -4,7 +4,7 @@
 
 With --devices=N on a CPU machine, N devices are simulated (set before JAX starts). Prints the mean time
 of a full training step (forward, backward, optimizer) over --steps timed runs after one warm-up, then
-meshmoe.cost_model's figures next to XLA's analysis of the compiled step: FLOPs per device (useful and
+meshmoe.analysis.cost_model's figures next to XLA's analysis of the compiled step: FLOPs per device (useful and
 executed), bytes moved per collective kind per device, and memory per device.
 """
 
@@ -35,7 +35,8 @@ def main(argv):
   import numpy as np
 
   from experiments.configs import tiny_moe
-  from meshmoe import cost_collectives, cost_model, hlo_collectives, train_step
+  from meshmoe.analysis import cost_collectives, cost_model, hlo_collectives
+  from meshmoe.training import train_step
   from meshmoe.config import ConfigError
   from meshmoe.sharding.mesh import make_mesh
 

@@ -48,7 +48,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --config.train.steps=10")
   if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
     logging.set_verbosity(logging.WARNING)  # library INFO logs (orbax, grain) drown the progress lines
-  from meshmoe import distributed, xla_flags
+  from meshmoe.runtime import distributed, xla_flags
   from meshmoe.config import ConfigError
 
   config = flags.FLAGS.config
@@ -77,11 +77,12 @@ def main(argv):
 
 def _train(config, workdir: pathlib.Path, topology, delay: float) -> int:
   """Runs the training on this process; returns the exit status."""
-  from meshmoe import distributed, resilience, trainer
-  from meshmoe.checkpointing import CheckpointError
+  from meshmoe.runtime import distributed, resilience
+  from meshmoe.training import trainer
+  from meshmoe.training.checkpointing import CheckpointError
   from meshmoe.config import ConfigError
-  from meshmoe.data import DataError
-  from meshmoe.nonfinite import NonFiniteError
+  from meshmoe.data.documents import DataError
+  from meshmoe.runtime.nonfinite import NonFiniteError
 
   is_primary = topology.process_id == 0
   print(distributed.describe(topology), flush=True)
@@ -148,7 +149,7 @@ def _shutdown(topology, timeout_s: float) -> None:
     return
   import jax
 
-  from meshmoe import resilience
+  from meshmoe.runtime import resilience
 
   with resilience.Watchdog(timeout_s, topology.process_id) as watchdog:
     watchdog.beat("shutdown (waiting for the other processes to finish)")

@@ -5,7 +5,7 @@ residual blocks: x += attn(norm(x)); x += ffn(norm(x)).
 
 Layers of one kind are a `LayerStack`: their parameters stacked along a leading `layers` dimension and run
 by a scan. The compiled program holds one layer whatever the depth (a 61-layer model compiles as fast as a
-2-layer one), and the loop is what XLA pipelines: with the GPU flag presets (meshmoe.xla_flags) the FSDP
+2-layer one), and the loop is what XLA pipelines: with the GPU flag presets (meshmoe.runtime.xla_flags) the FSDP
 all-gather of layer i+1's weights runs during layer i.
 """
 

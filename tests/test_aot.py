@@ -1,4 +1,4 @@
-"""The AOT report (meshmoe.aot, experiments.aot): the real train step compiled deviceless for 8 H100s and
+"""The AOT report (meshmoe.analysis.aot, experiments.aot): the real train step compiled deviceless for 8 H100s and
 for the local CPU devices, held to the cost model; the command line's output, JSON and exit status; the
 comparison table (experiments.aot_table) that RESULTS.md's rows come from.
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from experiments.configs import tiny_moe
-from meshmoe import aot
+from meshmoe.analysis import aot
 from meshmoe.config import MeshConfig, ParallelConfig
 
 EXPLICIT_KINDS = ("all-to-all", "ragged-all-to-all", "reduce-scatter", "collective-permute")
@@ -141,7 +141,7 @@ def test_analysis_options_change_no_hlo():
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from meshmoe import deviceless
+  from meshmoe.analysis import deviceless
 
   mesh = deviceless.gpu_mesh((8,), ("x",))
   step = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum_scatter(jnp.tanh(x @ w) @ w.T, "x", tiled=True),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshmoe.checkpointing import Checkpointer, CheckpointError, fingerprints
+from meshmoe.training.checkpointing import Checkpointer, CheckpointError, fingerprints
 from meshmoe.config import CheckpointConfig
 
 

@@ -21,7 +21,7 @@ import jax
 import pytest
 from flax import nnx
 
-from meshmoe import cost_model
+from meshmoe.analysis import cost_model
 from meshmoe.models.decoder import Transformer
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs"

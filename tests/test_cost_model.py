@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from experiments.configs import tiny_moe
-from meshmoe import cost_collectives, cost_model, hlo_collectives, hlo_flops, train_step
+from meshmoe.analysis import cost_collectives, cost_model, hlo_collectives, hlo_flops
+from meshmoe.training import train_step
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.sharding.mesh import make_mesh
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from meshmoe import distributed
-from meshmoe.distributed import Topology, TopologyError
+from meshmoe.runtime import distributed
+from meshmoe.runtime.distributed import Topology, TopologyError
 from tests import runs
 from tests.runs import REPO, STEPS
 from tests.tolerances import FP32_MODEL_RTOL

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshmoe import hlo_collectives, hlo_flops, hlo_module
+from meshmoe.analysis import hlo_collectives, hlo_flops, hlo_module
 
 
 def _layers(x, ws, unroll):

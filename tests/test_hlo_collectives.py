@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshmoe import hlo_collectives
+from meshmoe.analysis import hlo_collectives
 
 LINES = """
   %all-gather.1 = f32[8,64]{1,0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}

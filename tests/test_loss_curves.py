@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshmoe import train_step
+from meshmoe.training import train_step
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.sharding.mesh import make_mesh
 from tests.test_model_sharded import small_config

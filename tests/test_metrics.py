@@ -17,9 +17,9 @@ import pytest
 from tensorboardX.crc32c import crc32c
 from tensorboardX.proto.event_pb2 import Event
 
-from meshmoe import metrics as metrics_lib
-from meshmoe import report
-from meshmoe.metrics import MetricsLogger, expert_load_imbalance, mfu, peak_flops_per_device
+from meshmoe.training import metrics as metrics_lib
+from meshmoe.training import report
+from meshmoe.training.metrics import MetricsLogger, expert_load_imbalance, mfu, peak_flops_per_device
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshmoe import step
+from meshmoe.training import model_state as step
 from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from meshmoe.sharding.mesh import make_mesh
 from tests.tolerances import FP32_MODEL_RTOL, assert_close

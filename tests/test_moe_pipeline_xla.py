@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
-from meshmoe import deviceless, hlo_collectives, hlo_module
+from meshmoe.analysis import deviceless, hlo_collectives, hlo_module
 from meshmoe.config import ParallelConfig
 from meshmoe.sharding import dispatch, expert_parallel, moe_pipeline
 from meshmoe.sharding.rules import PRESETS, logical_to_spec

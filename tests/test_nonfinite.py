@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 
 from experiments.configs import tiny_moe
-from meshmoe import data as data_lib, nonfinite, step as step_lib, trainer
+from meshmoe.data import pipeline as data_lib
+from meshmoe.runtime import nonfinite
+from meshmoe.training import model_state as step_lib, trainer
 from meshmoe.config import MeshConfig, ResilienceConfig
-from meshmoe.nonfinite import NonFiniteError
+from meshmoe.runtime.nonfinite import NonFiniteError
 from meshmoe.sharding.mesh import make_mesh
 from tests import runs
 from tests.runs import REPO

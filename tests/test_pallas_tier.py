@@ -8,7 +8,7 @@ import pytest
 from absl import logging
 from jax.sharding import Mesh
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 from meshmoe.config import ParallelConfig
 from meshmoe.sharding import parallel
 from meshmoe.sharding.rules import get_preset

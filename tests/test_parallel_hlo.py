@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from meshmoe import deviceless, hlo_collectives
+from meshmoe.analysis import deviceless, hlo_collectives
 from meshmoe.config import MeshConfig
 from meshmoe.models.decoder import Transformer, lm_loss
 from meshmoe.sharding import dispatch, shardings

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.sharding import context_parallel as cp
 from meshmoe.sharding.mesh import make_mesh

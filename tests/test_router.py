@@ -10,7 +10,7 @@ from flax import nnx
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshmoe import deviceless, hlo_collectives
+from meshmoe.analysis import deviceless, hlo_collectives
 from meshmoe.config import MoEConfig
 from meshmoe.models.router import Router, top_k_experts, update_expert_bias
 from tests.tolerances import FP32_MODULE_RTOL, assert_close

@@ -10,7 +10,7 @@ import pathlib
 
 from flax import nnx
 
-from meshmoe import step
+from meshmoe.training import model_state as step
 from meshmoe.config import MeshConfig
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import rules

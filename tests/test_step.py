@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from meshmoe import step, train_step
+from meshmoe.training import model_state as step, train_step
 from meshmoe.config import MeshConfig
 from meshmoe.sharding.mesh import make_mesh
 from tests.test_model_sharded import small_config

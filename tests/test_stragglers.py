@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from meshmoe.stragglers import find_stragglers
+from meshmoe.runtime.stragglers import find_stragglers
 from tests import runs
 
 

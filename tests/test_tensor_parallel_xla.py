@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.sharding import collective_matmul, tensor_parallel
 from meshmoe.sharding.mesh import make_mesh

@@ -7,14 +7,16 @@ import sys
 
 import pytest
 
-from meshmoe import config, deviceless, xla_flags
+from meshmoe import config
+from meshmoe.analysis import deviceless
+from meshmoe.runtime import xla_flags
 
 # A collective matmul in a loop, compiled for 8 H100s without a GPU: the GPU passes the flags steer
 # (scheduling, pipelining, combining, windowed einsum) all run.
 _PROGRAM = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 mesh = deviceless.gpu_mesh((8,), ("x",))
 def step(w, x):
   def layer(x, w):

@@ -29,7 +29,7 @@ and does 187.1M multiply-adds per token in training plus attention scores over q
     so sequence-parallel key/value traffic is in the same range too (MHA-128's would be 32768).
   - 1 KV head (MQA) would be 0.8B closer still but could not be split over tensor at all.
 
-Parameters (meshmoe.cost_model.active_params): 674,836,083,712 total and 41,361,961,984 active per token
+Parameters (meshmoe.analysis.cost_model.active_params): 674,836,083,712 total and 41,361,961,984 active per token
 (674.8B / 41.4B); published 671B / 37B. Replacing the 61 GQA blocks' weights by MLA's (3,809,679,360
 fewer) gives 671,026,404,352 / 37,552,282,624: the published 671B, and 1.5% over the published 37B.
 Not modelled either: the multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's

@@ -12,7 +12,7 @@ dimension 128, RoPE theta 1e6, context 32768. Every layer is an MoE block of 8 S
 logits), no shared experts, no dense layers. Vocabulary 32000, untied input and output embeddings,
 RMSNorm eps 1e-5. This is exactly the published architecture (no sliding window, as in v0.1).
 
-Parameters (meshmoe.cost_model.active_params): 46,702,792,704 total and 12,879,925,248 active per token
+Parameters (meshmoe.analysis.cost_model.active_params): 46,702,792,704 total and 12,879,925,248 active per token
 (46.70B / 12.88B); published 46.7B / 12.9B. The total equals the Hugging Face checkpoint's count: nothing
 in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.train_step_flops at
 seq_len 4096): 79.7 GFLOP per token.

@@ -6,7 +6,7 @@
 Model: 16 decoder layers, d_model 1024, grouped-query attention with 16 query / 4 key-value heads of
 dimension 64, every layer an MoE block of 32 SwiGLU experts of width 512 with top-4 softmax routing
 (renormalised) plus one shared expert of the same width, vocabulary 32768, untied embeddings.
-Parameters (meshmoe.cost_model.active_params): 940,082,176 total and 235,439,104 active per token (0.94B /
+Parameters (meshmoe.analysis.cost_model.active_params): 940,082,176 total and 235,439,104 active per token (0.94B /
 0.24B); 1.4 GFLOP per token for a training step at seq_len 2048. The shape sits between tiny_moe and the
 full-size configs: large enough that the GEMMs, not the launch overheads, set a GPU's step time, small
 enough that parameters, gradients and Adam moments (16 bytes per parameter, 15 GB) fit on one 80 GB H100.

@@ -12,7 +12,7 @@ Every layer is an MoE block of 128 fine-grained SwiGLU experts of width 768, top
 the chosen eight renormalised (norm_topk_prob), no shared experts, no dense layers. Vocabulary 151936,
 untied embeddings, RMSNorm eps 1e-6.
 
-Parameters (meshmoe.cost_model.active_params): 30,532,110,336 total and 3,353,020,416 active per token
+Parameters (meshmoe.analysis.cost_model.active_params): 30,532,110,336 total and 3,353,020,416 active per token
 (30.53B / 3.35B); published 30.5B / 3.3B (3.35B rounds to 3.3B or 3.4B; the model card says 3.3B). The
 one architectural gap: Qwen3 applies an RMSNorm to each query and key head (QK-norm), which meshmoe does
 not have; those are 2 x 128 weights per layer, 12,288 in all, so the Hugging Face checkpoint has

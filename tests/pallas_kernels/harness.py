@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 
 # A 16-bit result rounds the float32 sum once: one bfloat16 unit in the last place of the largest entry.
 BF16_RTOL = 2.0**-7

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 from meshmoe.pallas_kernels import mosaic_tiles, ring
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_api, mosaic_gpu as allgather_mosaic
 from meshmoe.pallas_kernels.allgather_matmul import tpu as allgather_tpu

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 from meshmoe.pallas_kernels.grouped_weight_gradient import api, mosaic_gpu
 from tests.pallas_kernels import harness
 from tests.tolerances import FP32_MODULE_RTOL, assert_close

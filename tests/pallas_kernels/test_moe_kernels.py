@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from meshmoe import deviceless
+from meshmoe.analysis import deviceless
 from meshmoe.pallas_kernels import moe_routing
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api, mosaic_gpu as dispatch_mosaic
 from meshmoe.pallas_kernels.moe_dispatch_gemm import tpu as dispatch_tpu

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from meshmoe import hlo_module
+from meshmoe.analysis import hlo_module
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")

@@ -29,7 +29,7 @@ import dataclasses
 import math
 import re
 
-from meshmoe import hlo_flops, hlo_module
+from meshmoe.analysis import hlo_flops, hlo_module
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "ragged-all-to-all")
 _MATMULS = ("dot", "ragged-dot", "convolution")

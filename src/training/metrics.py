@@ -95,7 +95,7 @@ class MetricsLogger:
       print(line, flush=True)
 
   def log_processes(self, step: int, metrics: Mapping[str, Any]) -> None:
-    """A comparison of the processes (meshmoe.stragglers): JSON and TensorBoard, per-process lists."""
+    """A comparison of the processes (meshmoe.runtime.stragglers): JSON and TensorBoard, per-process lists."""
     if self.is_primary:
       self._write("processes", step, metrics, list_item="process")
 

@@ -8,7 +8,7 @@ One step = `train.grad_accum_steps` micro-batches scanned in sequence, their gra
 optimizer update. The batch is split into micro-batches by striding (micro-batch i holds rows i, i + A,
 ...), so every device keeps its share of each micro-batch. The loss is the mean cross-entropy over all
 the step's unmasked tokens plus the router losses averaged over micro-batches, identical to one big batch.
-A step whose loss or gradient norm is NaN/Inf keeps the state it started from (meshmoe.nonfinite).
+A step whose loss or gradient norm is NaN/Inf keeps the state it started from (meshmoe.runtime.nonfinite).
 
 With several processes each one holds only some rows of the global batch (`process_rows`: those its
 devices hold) and `place_batch` assembles the global array from every process's rows.
@@ -25,11 +25,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshmoe import nonfinite, optimizer as optimizer_lib
+from meshmoe.runtime import nonfinite
+from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
-from meshmoe.step import abstract_model_state, init_model, init_optimizer_state, optimizer_state_shardings
+from meshmoe.training.model_state import abstract_model_state, init_model, init_optimizer_state, optimizer_state_shardings
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ def create(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
 
 def create_abstract(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
   """The jitted steps and the state as jax.ShapeDtypeStructs with their shardings, allocating nothing: to
-  compile a step for devices this machine does not have (meshmoe.aot)."""
+  compile a step for devices this machine does not have (meshmoe.analysis.aot)."""
   graphdef, params, others = abstract_model_state(config, mesh)
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
   opt_shardings = optimizer_state_shardings(optimizer, params, config, mesh)

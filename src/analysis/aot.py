@@ -17,15 +17,14 @@ The JSON is DESIGN.md's contract: `memory.peak_bytes_per_device`, `flops.compile
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import re
 import time
 from typing import Any
 
 import jax
 
-from meshmoe import (cost_collectives, cost_kernels, cost_model, deviceless, hlo_collectives, hlo_flops, hlo_module,
-                     train_step)
+from meshmoe.analysis import cost_collectives, cost_kernels, cost_model, deviceless, hlo_collectives, hlo_flops, hlo_module
+from meshmoe.training import train_step
 from meshmoe.config import MESH_AXES, Config
 from meshmoe.sharding.mesh import make_mesh
 
@@ -47,8 +46,7 @@ def device_memory_bytes(target: str) -> float | None:
   spec_name = TARGETS[target]
   if spec_name is None:
     return None
-  spec = importlib.resources.files("meshmoe").joinpath(f"gpu_specs/{spec_name}.txtpb").read_text()
-  return float(re.search(r"device_memory_size:\s*(\d+)", spec)[1])
+  return float(re.search(r"device_memory_size:\s*(\d+)", deviceless.gpu_spec(spec_name))[1])
 
 
 def target_mesh(config: Config, target: str, num_devices: int, num_hosts: int) -> jax.sharding.Mesh:

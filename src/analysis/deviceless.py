@@ -36,13 +36,18 @@ def compile_for_analysis(lowered):
   return lowered.compile(compiler_options=ANALYSIS_OPTIONS)
 
 
+def gpu_spec(target: str) -> str:
+  """XLA's target spec of one GPU kind (text proto): what the deviceless compiler and the AOT report read."""
+  return importlib.resources.files("meshmoe.analysis.gpu_specs").joinpath(f"{target}.txtpb").read_text()
+
+
 def gpu_devices(num_devices: int, target: str = "h100_sxm", num_hosts: int = 1) -> list[jax.Device]:
   """`num_devices` GPUs of `target` spread evenly over `num_hosts` hosts (process_index = host)."""
   if target not in TARGETS:
     raise ValueError(f"unknown GPU target {target!r}; known: {', '.join(TARGETS)}")
   if num_hosts < 1 or num_devices % num_hosts:
     raise ValueError(f"{num_devices} devices do not split evenly over {num_hosts} hosts")
-  spec = importlib.resources.files("meshmoe").joinpath(f"gpu_specs/{target}.txtpb").read_text()
+  spec = gpu_spec(target)
   try:
     topology = topologies.get_topology_desc(platform="cuda", target_config=spec,
                                             topology=f"1x{num_hosts}x{num_devices // num_hosts}")

@@ -9,10 +9,10 @@ while the next step runs, and otherwise waits for the device only when it logs, 
 data loading for the next step overlaps the current one.
 
 Between steps the loop applies the resilience policies (config.resilience; DESIGN.md "Resilience"): a
-SIGTERM stops every process at the same step with a checkpoint (meshmoe.resilience.Preemption); a
-non-finite step is skipped or halts the run (meshmoe.nonfinite); a watchdog ends the process when a
-step, evaluation or checkpoint wait hangs (meshmoe.resilience.Watchdog); processes compare their step
-times to name stragglers (meshmoe.stragglers).
+SIGTERM stops every process at the same step with a checkpoint (meshmoe.runtime.resilience.Preemption); a
+non-finite step is skipped or halts the run (meshmoe.runtime.nonfinite); a watchdog ends the process when a
+step, evaluation or checkpoint wait hangs (meshmoe.runtime.resilience.Watchdog); processes compare their step
+times to name stragglers (meshmoe.runtime.stragglers).
 """
 
 import dataclasses
@@ -24,9 +24,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from meshmoe import (cost_model, data as data_lib, metrics as metrics_lib, nonfinite, report, resilience,
-                     sampling, stragglers, train_step)
-from meshmoe.checkpointing import Checkpointer
+from meshmoe.analysis import cost_model
+from meshmoe.data import pipeline as data_lib
+from meshmoe.training import metrics as metrics_lib, report, sampling, train_step
+from meshmoe.runtime import nonfinite, resilience, stragglers
+from meshmoe.training.checkpointing import Checkpointer
 from meshmoe.config import Config, profile_range
 from meshmoe.sharding.mesh import make_mesh
 

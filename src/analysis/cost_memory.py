@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshmoe import cost_kernels
+from meshmoe.analysis import cost_kernels
 from meshmoe.config import Config, resolve_mesh_sizes
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding.dispatch import choose_block_rows

@@ -6,7 +6,7 @@ checkpoint, waits for it to be on disk and exits with status 0; re-running the c
 - several processes: JAX's preemption service (started by `jax.distributed.initialize`) catches SIGTERM
   on whichever processes receive it and the processes agree, through the distributed runtime, on the
   first step that every one of them has yet to reach (JAX keeps the step number of the latest call, so the
-  loop must be its only caller: meshmoe.checkpointing keeps orbax from calling it too);
+  loop must be its only caller: meshmoe.training.checkpointing keeps orbax from calling it too);
 - one process: a Python SIGTERM handler sets a flag, checked before each step.
 
 Watchdog. A collective waiting for a process that died or hangs never returns, and cannot be interrupted.

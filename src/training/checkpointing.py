@@ -149,7 +149,7 @@ class Checkpointer:
 class _Manager(ocp.CheckpointManager):
   """orbax's manager, minus its own look at JAX's preemption sync point.
 
-  The training loop alone asks for the sync point (meshmoe.resilience.Preemption), once per step with the
+  The training loop alone asks for the sync point (meshmoe.runtime.resilience.Preemption), once per step with the
   step number. orbax also asks, from its background thread when a save completes, with that save's older
   step; JAX keeps the latest number it was given, so such a call landing as a SIGTERM arrives could set
   the agreed stop step behind the loop, which would then never reach it."""

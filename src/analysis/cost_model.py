@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshmoe import cost_kernels
+from meshmoe.analysis import cost_kernels
 from meshmoe.config import Config, ModelConfig, resolve_mesh_sizes
 from meshmoe.sharding.dispatch import choose_block_rows
 from meshmoe.sharding.rules import get_preset, logical_to_spec
@@ -140,7 +140,7 @@ def flops_in_kernels(config: Config, num_devices: int, platform: str = "gpu") ->
   HLO does not show: the routed experts' every GEMM (forward, input and weight gradients), and of a
   tensor-parallel block's projections the forward (with its remat repeat) and input-gradient GEMMs (the
   weight gradients are local XLA matmuls)."""
-  from meshmoe import cost_collectives
+  from meshmoe.analysis import cost_collectives
 
   ops = cost_collectives.fused_ops(config, num_devices, platform)
   executed = executed_flops_per_device(config, num_devices, platform)
@@ -163,7 +163,7 @@ class StepCost:
 
 
 def step_cost(config: Config, num_devices: int, platform: str = "cpu") -> StepCost:
-  from meshmoe import cost_collectives, cost_memory  # they import this module's neighbours only
+  from meshmoe.analysis import cost_collectives, cost_memory  # they import this module's neighbours only
 
   t = config.train
   return StepCost(

@@ -24,9 +24,9 @@ import math
 
 import jax.numpy as jnp
 
-from meshmoe import cost_kernels
+from meshmoe.analysis import cost_kernels
 from meshmoe.config import Config, resolve_mesh_sizes
-from meshmoe.hlo_collectives import moved_bytes
+from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.sharding.rules import get_preset, logical_to_spec
 
 
