@@ -19,7 +19,7 @@ flags.DEFINE_integer("steps", 10, "timed steps", lower_bound=1)
 flags.DEFINE_string("preset", None, "sharding preset (default: the config's)")
 for _axis in ("data", "expert", "tensor", "sequence"):
   flags.DEFINE_integer(_axis, None, f"size of the {_axis} mesh axis")
-flags.DEFINE_string("gemm_impl", None, "grouped GEMM of the dropless MoE path: auto, blocked, ragged_dot")
+flags.DEFINE_string("grouped_gemm", None, "grouped GEMM of the dropless MoE path: auto, blocked, ragged_dot")
 flags.DEFINE_string("attention", None, "context-parallel attention: allgather, ring, ulysses")
 FLAGS = flags.FLAGS
 
@@ -39,12 +39,13 @@ def main(argv):
   from meshmoe.training import train_step
   from meshmoe.config import ConfigError
   from meshmoe.sharding.mesh import make_mesh
+  from meshmoe.sharding.plan import ParallelPlan
 
   config = tiny_moe.get_config()
   if FLAGS.preset:
     config.mesh.preset = FLAGS.preset
-  if FLAGS.gemm_impl:
-    config.model.moe.gemm_impl = FLAGS.gemm_impl
+  if FLAGS.grouped_gemm:
+    config.parallel.grouped_gemm = FLAGS.grouped_gemm
   if FLAGS.attention:
     config.parallel.attention = FLAGS.attention
   for axis in ("data", "expert", "tensor", "sequence"):
@@ -53,14 +54,15 @@ def main(argv):
   n = jax.device_count()
   try:
     config.validate(n)
+    plan = ParallelPlan.build(config, make_mesh(config.mesh))
   except ConfigError as e:
     sys.exit(f"error: {e}")
-  mesh = make_mesh(config.mesh)
-  trainer, state = train_step.create(config, mesh)
+  print(plan.table())
+  trainer, state = train_step.create(config, plan)
   b, s = config.train.global_batch_size, config.train.seq_len
   tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, s + 1), dtype=np.int32)
   batch = train_step.place_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                                  "mask": np.ones((b, s), np.float32)}, config, mesh)
+                                  "mask": np.ones((b, s), np.float32)}, config, plan)
   compiled = trainer.train_step.lower(state, batch).compile()
   state, _ = compiled(state, batch)
   jax.block_until_ready(state)
@@ -70,11 +72,11 @@ def main(argv):
   jax.block_until_ready(metrics)
   step_time = (time.perf_counter() - start) / FLAGS.steps
 
-  cost = cost_model.step_cost(config, n, jax.default_backend())
+  cost = cost_model.step_cost(config, plan)
   compiled_flops = compiled.cost_analysis()["flops"]
   executed = cost.executed_flops_per_device.total
-  print(f"config tiny_moe  mesh {dict(mesh.shape)}  preset {config.mesh.preset}  attention "
-        f"{config.parallel.attention}  gemm {config.model.moe.gemm_impl}  {n} {jax.default_backend()} devices")
+  print(f"config tiny_moe  mesh {dict(plan.mesh.shape)}  preset {plan.preset}  attention "
+        f"{plan.ops['attention'].implementation}  gemm {plan.grouped_gemm}  {n} {plan.hardware.platform} devices")
   print(f"train step time                {step_time * 1e3:9.1f} ms  ({b * s / step_time:,.0f} tokens/s)")
   print(f"FLOPs/device: compiled         {compiled_flops / 1e9:9.3f} GFLOP")
   print(f"              cost model exec  {executed / 1e9:9.3f} GFLOP  (compiled/model {compiled_flops / executed:.3f})")

@@ -22,7 +22,17 @@ def define_config_flag(argv: list[str]) -> None:
   except KeyError as e:  # ml_collections reports an unknown --config.a.b field as a bare KeyError
     match = re.search(r"Field (\w+) not found on dataclass <class '[\w.]+\.(\w+)'>", str(e))
     what = f"field {match.group(1)!r} does not exist in {match.group(2)}" if match else str(e)
+    moved = _MOVED_FIELDS.get((match.group(2), match.group(1))) if match else None
+    if moved:
+      sys.exit(f"error: unknown config override: {what}; it moved to --config.{moved}")
     sys.exit(f"error: unknown config override: {what}; see src/config.py for the fields")
+
+
+# Fields that moved between config sections: (dataclass, old field) -> the new --config path.
+_MOVED_FIELDS = {
+    ("MoEConfig", "gemm_impl"): "parallel.grouped_gemm",  # an implementation choice, not model math
+    ("MoEConfig", "gemm_block_rows"): "parallel.gemm_block_rows",
+}
 
 
 def experiment_configs() -> list[pathlib.Path]:

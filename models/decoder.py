@@ -23,7 +23,6 @@ from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.moe import MoEBlock, MoEStats
 from meshmoe.models.router import update_expert_bias
-from meshmoe.sharding import context_parallel
 from meshmoe.sharding.shardings import constrain
 
 _RESIDUAL = ("act_batch", "act_seq", "act_embed")
@@ -144,26 +143,14 @@ def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
                   expert_load_LE=stats.load_E, dropped_fraction_L=stats.dropped_fraction)
 
 
-def lm_loss(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
-            mask_BS: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Next-token cross-entropy (mean over unmasked tokens) plus the weighted router losses."""
-  terms = lm_loss_terms(model, tokens_BS, targets_BS, mask_BS)
-  return combine_loss_terms(terms, model.cfg.moe, terms["tokens"], num_microbatches=1), terms
-
-
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
-                  mask_BS: jax.Array | None = None) -> dict[str, jax.Array]:
+                  mask_BS: jax.Array | None = None, positions_BS: jax.Array | None = None) -> dict[str, jax.Array]:
   """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly.
 
-  Context-parallel attention wants the sequence in a load-balancing order; the loss is a sum over tokens,
-  so the tokens, targets and mask are permuted alike and the positions tell the model where each token
-  sits. The permutation is the identity when the sequence is not split."""
+  The loss is a sum over tokens, so their order does not matter: a caller may permute tokens, targets and
+  mask alike (context-parallel attention wants its own order) and pass each token's place in its sequence
+  as `positions_BS` (default 0..S-1)."""
   mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
-  order_S = context_parallel.sequence_order(tokens_BS.shape[1])  # None: keep the order
-  positions_BS = None
-  if order_S is not None:
-    positions_BS = jnp.broadcast_to(jnp.asarray(order_S), tokens_BS.shape)
-    tokens_BS, targets_BS, mask_BS = (a[:, order_S] for a in (tokens_BS, targets_BS, mask_BS))
   logits_BSV, aux = model(tokens_BS, positions_BS)
   ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
   return {"ce_sum": jnp.sum(ce_BS * mask_BS), "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,

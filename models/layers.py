@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.sharding import tensor_parallel
-from meshmoe.sharding.dispatch import swiglu_hidden
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], logical_axes: Sequence[str | None], std: float) -> nnx.Param:
@@ -59,6 +58,14 @@ def rotate(x_BSNH: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Arra
   x = x_BSNH.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
+
+
+@jax.checkpoint
+def swiglu_hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) * up, recomputed in the backward pass from gate and up: autodiff would otherwise keep
+  sigmoid(gate) and silu(gate) too, two more [rows, F] buffers per layer (the largest activations of an
+  MoE layer), for elementwise work that costs nothing to redo."""
+  return jax.nn.silu(gate) * up
 
 
 class SwiGLU(nnx.Module):

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.config import ModelConfig
-from meshmoe.models.layers import SwiGLU, param
+from meshmoe.models.capacity import capacity_keep
+from meshmoe.models.layers import SwiGLU, param, swiglu_hidden
 from meshmoe.models.router import Router
-from meshmoe.sharding import dispatch, expert_parallel
+from meshmoe.sharding import expert_parallel
+from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.shardings import constrain
 
 
@@ -48,13 +50,11 @@ class MoEBlock(nnx.Module):
     if self.cfg.capacity_factor is not None:
       if positions_BS is None:
         positions_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
-      kept_BSK = dispatch.capacity_keep(experts_BSK, positions_BS, num_experts, self.cfg.capacity_factor)
+      kept_BSK = capacity_keep(experts_BSK, positions_BS, num_experts, self.cfg.capacity_factor)
       experts_BSK = jnp.where(kept_BSK, experts_BSK, num_experts)  # id E: never sent, never computed
       dropped_fraction = 1.0 - jnp.mean(kept_BSK.astype(jnp.float32))
-    w = dispatch.ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
-    y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w,
-                                    gemm_impl=self.cfg.gemm_impl,
-                                    block_rows=self.cfg.gemm_block_rows)
+    w = ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
+    y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden)
     y_BSD = constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from meshmoe.pallas_kernels import ring
 from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic, tpu as dispatch_tpu
-from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu as return_mosaic, tpu as return_tpu
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_gemm_return import mosaic_gpu as return_mosaic, tpu as return_tpu
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.ring import Axes
 
@@ -41,7 +41,7 @@ def gemm_return(options: Options, axes: Axes) -> Callable:
   return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_sms=options.num_sms)
 
 
-def expert_weight_gradient(options: Options, rows_RD: jax.Array, grads_RF: jax.Array, plan: Plan,
+def expert_weight_gradient(options: Options, rows_RD: jax.Array, grads_RF: jax.Array, plan: TilePlan,
                            weight: jax.Array) -> jax.Array:
   """[E_l, D, F] in `weight`'s dtype: for each local expert, its receive rows transposed times their
   gradients. A receive buffer holds each expert's rows contiguously, in whole tiles (moe_routing.py)."""

@@ -32,7 +32,7 @@ from meshmoe.pallas_kernels import ring
 from meshmoe.pallas_kernels.ring import Axes
 
 
-class Plan(NamedTuple):
+class TilePlan(NamedTuple):
   send_slot_A: jax.Array  # row of each assignment in my send buffer; S_tiles * TM for dropped ones
   send_dst: jax.Array  # [S_tiles] ring position each send tile goes to
   send_dst_tile: jax.Array  # [S_tiles] its tile in that device's receive buffer
@@ -58,7 +58,7 @@ def expected_rows(num_assignments: int, p: int, num_local_experts: int, tile_row
   return num_assignments + padding, (p - 1) / p * (num_assignments + padding)
 
 
-def make_plan(experts_A: jax.Array, axes: Axes, num_local_experts: int, tile_rows: int) -> Plan:
+def make_tile_plan(experts_A: jax.Array, axes: Axes, num_local_experts: int, tile_rows: int) -> TilePlan:
   """The plan for this device's assignments (global expert ids; id P * E_l marks a dropped one), inside
   jax.shard_map over the ring `axes`. Exchanges the group sizes (one small all_gather)."""
   p, e_l, tm = ring.size(axes), num_local_experts, tile_rows
@@ -93,14 +93,14 @@ def make_plan(experts_A: jax.Array, axes: Axes, num_local_experts: int, tile_row
   slot = send_start_SPE[me].reshape(-1)[x] * tm + jnp.arange(num_assignments) - first_sorted[x]
   slot = jnp.where(valid, slot, s_tiles * tm)
   send_slot_A = jnp.zeros_like(slot).at[order].set(slot, unique_indices=True)
-  return Plan(send_slot_A.astype(jnp.int32), dst.astype(jnp.int32), send_dst_tile.astype(jnp.int32),
+  return TilePlan(send_slot_A.astype(jnp.int32), dst.astype(jnp.int32), send_dst_tile.astype(jnp.int32),
               jnp.sum(my_send_tiles, keepdims=True).astype(jnp.int32), recv_expert.astype(jnp.int32),
               src.astype(jnp.int32), recv_src_tile.astype(jnp.int32),
               jnp.sum(my_recv_tiles, keepdims=True).astype(jnp.int32),
               (tm * jnp.sum(recv_tiles_PES[me], axis=1)).astype(jnp.int32))
 
 
-def send_buffer(rows_AD: jax.Array, plan: Plan, tile_rows: int, num_send_tiles: int) -> jax.Array:
+def send_buffer(rows_AD: jax.Array, plan: TilePlan, tile_rows: int, num_send_tiles: int) -> jax.Array:
   """[S_tiles * TM, D]: each assignment's row at its slot, zeros elsewhere (a gather, so its transpose is
   a gather-sum)."""
   num_rows = num_send_tiles * tile_rows
@@ -109,7 +109,7 @@ def send_buffer(rows_AD: jax.Array, plan: Plan, tile_rows: int, num_send_tiles: 
   return jnp.take(rows_AD, source, axis=0, mode="fill", fill_value=0)
 
 
-def returned_rows(ret_SD: jax.Array, plan: Plan) -> jax.Array:
+def returned_rows(ret_SD: jax.Array, plan: TilePlan) -> jax.Array:
   """[A, D]: each assignment's row of the returned buffer; zeros for dropped assignments."""
   return jnp.take(ret_SD, plan.send_slot_A, axis=0, mode="fill", fill_value=0)
 

@@ -6,7 +6,7 @@ the linear index over those axes, row-major in the order given: the order of
 kernel and its XLA reference agree on who holds which block.
 
 Backends of every op (`api.py` picks one):
-- "reference": plain jax.lax collectives (reference.py), autodiff as usual;
+- "collectives": plain jax.lax collectives and jnp GEMMs (reference.py), autodiff as usual;
 - "tpu_interpret": the TPU-style twin (tpu.py) run by Pallas' TPU interpreter on CPU devices, with DMAs
   executed only when waited on and the race detector on (INTERPRET_PARAMS): it checks the protocol;
 - "mosaic_gpu": the Mosaic GPU kernel (mosaic_gpu.py), for Hopper GPUs.
@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 Axes = tuple[str, ...]
-BACKENDS = ("reference", "tpu_interpret", "mosaic_gpu")
+BACKENDS = ("collectives", "tpu_interpret", "mosaic_gpu")
 
 # "on_wait" delays every DMA until someone waits on its semaphore, which exposes a buffer reused before
 # its data arrived; "eager" would hide it. The race detector flags unordered accesses to one buffer.

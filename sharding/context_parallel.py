@@ -24,10 +24,11 @@ Kinds (`parallel.attention`), for a device r of n holding Sl = S/n = 2c rows of 
   Memory: the S x S scores of N/n heads. Communication: (n-1)/n of q, k, v and the output, whatever the
   causal structure; the all-to-all is its own transpose.
 
-Tiers (`ParallelConfig.impl`). `reference` is the above. `xla` changes only `ring`: the K/V/position block
-for the next step is sent before the block at hand is computed (the transfer depends on nothing the step
-computes, so XLA overlaps it), and only the causally needed c x c quarter blocks are computed, 2n+1 per
-device like `allgather` instead of 4n. Device r holds early chunk r and late chunk 2n-1-r; the block at
+Implementations (`IMPLEMENTATIONS`; the plan picks one from the kind and the tier, sharding/plan.py):
+`local` (the sequence is whole), `allgather`, `ring` and `ulysses` as above, and `zigzag_ring`, the
+ring of the `xla` tier: the K/V/position block for the next step is sent before the block at hand is
+computed (the transfer depends on nothing the step computes, so XLA overlaps it), and only the causally
+needed c x c quarter blocks are computed, 2n+1 per device like `allgather` instead of 4n. Device r holds early chunk r and late chunk 2n-1-r; the block at
 step s comes from device src = (r - s) mod n:
 - step 0 (src = r): early q x early k (diagonal), late q x early k (all visible), late q x late k
   (diagonal);
@@ -39,8 +40,8 @@ So every step after the first computes two quarter blocks, (q chunk early if src
 and (late q, k early if src < r else late), chosen at run time from r and the step with static shapes.
 Each step's blocks wait for the statistics of the steps before (an optimization barrier), so XLA cannot
 merge the steps' score matmuls into one that waits for every transfer, as it does for the reference ring.
-Bytes moved are the reference ring's. `allgather` (already causal) and `ulysses` (all-to-alls of whole
-tensors, nothing to overlap within the op) are the reference computation under `xla`.
+Bytes moved are the plain ring's. `allgather` (already causal) and `ulysses` (all-to-alls of whole
+tensors, nothing to overlap within the op) run the same implementation in every tier.
 
 Blocks accumulate with an online softmax in float32 (running max, denominator and output). The merge is
 commutative and masks with a large finite negative number, so a fully masked block contributes exactly
@@ -57,8 +58,7 @@ import numpy as np
 from meshmoe.sharding import parallel
 from meshmoe.sharding.shardings import current
 
-KINDS = ("allgather", "ring", "ulysses")
-IMPLS = ("reference", "xla", "pallas")  # no attention kernel: "pallas" runs the xla tier
+QUERY_AXES = ("act_batch", "act_attn_seq", "act_heads", None)  # the logical axes of q [B, S, N, H]
 _MASKED = -1e30  # finite, so a fully masked block gives exp(0) * 0 = 0 instead of NaN
 
 
@@ -85,28 +85,25 @@ def causal_attention(q_BSNH, k_BSGH, v_BSGH, q_pos_BS, k_pos_BS) -> jax.Array:
   return _finish(stats, q_BSNH)
 
 
-def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, kind: str, axis_names: parallel.Axes,
-                      impl: str = "reference") -> jax.Array:
-  """Causal attention inside jax.shard_map over a sequence split over `axis_names`.
+def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, implementation: str,
+                      axis_names: parallel.Axes) -> jax.Array:
+  """Causal attention inside jax.shard_map over a sequence split over `axis_names`, by `implementation`
+  (a key of IMPLEMENTATIONS; module docstring).
 
   q/k/v/pos are this device's rows of a sequence permuted by zigzag_order(S, n) (n: the product of the
   axes' sizes) and split contiguously over `axis_names` in that order (device index
   jax.lax.axis_index(axis_names)); pos_BS holds the rows' original positions. Heads are local. Returns
-  this device's output rows, laid out like q. With no axes, plain local attention. `impl` is the tier
-  (module docstring); the ring's `xla` tier relies on the zigzag layout, the others only on positions."""
-  if kind not in KINDS:
-    raise ValueError(f"unknown context-parallel attention {kind!r}; known: {KINDS}")
-  if impl not in IMPLS:
-    raise ValueError(f"context-parallel attention has no {impl!r} tier; known: {IMPLS}")
-  if not axis_names:
-    return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS)
-  if kind == "allgather":
-    return _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
-  if kind == "ring" and impl in ("xla", "pallas"):
-    return _zigzag_ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
-  if kind == "ring":
-    return _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
-  return _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+  this device's output rows, laid out like q. `zigzag_ring` relies on the zigzag layout, the others only
+  on positions; `local` takes no axes."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown context-parallel attention {implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
+  return IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+
+
+def _local_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+  if axes:
+    raise ValueError(f"local attention takes no mesh axes, got {axes}")
+  return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS)
 
 
 def _axis_size(axes: parallel.Axes) -> int:
@@ -259,36 +256,28 @@ def _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
   return jax.lax.all_to_all(o_BSNH, axes, 1, 2, tiled=True)
 
 
-# The parallel op models call: the functions above wrapped in shard_map under the active rules.
+IMPLEMENTATIONS = {"local": _local_attention, "allgather": _allgather_attention, "ring": _ring_attention,
+                   "zigzag_ring": _zigzag_ring_attention, "ulysses": _ulysses_attention}
 
 
-def sequence_order(seq_len: int) -> np.ndarray | None:
-  """The order the sequence must be in for `attention` under the active rules (zigzag over the devices
-  that split the sequence inside attention), or None when it is not split."""
-  ctx = current()
-  if ctx is None:
-    return None
-  n = parallel.axis_size(ctx, parallel.dim_axes(parallel.activation_spec(ctx, _Q), 1))
-  return None if n == 1 else zigzag_order(seq_len, n)
+# The parallel op models call: the functions above wrapped in shard_map under the active plan.
 
 
 def attention(q_BSNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, positions_BS: jax.Array) -> jax.Array:
-  """Causal GQA attention by positions; with the sequence split over devices (`act_attn_seq`), by the
-  config's kind (`parallel.attention`). The sequence must be in `sequence_order`."""
-  ctx = current()
-  if ctx is None:
+  """Causal GQA attention by positions; with the sequence split over devices (`act_attn_seq`), as the
+  active plan says. The sequence must be in the plan's `sequence_order`."""
+  plan = current()
+  if plan is None:
     return causal_attention(q_BSNH, k_BSGH, v_BSGH, positions_BS, positions_BS)
-  q_spec = parallel.activation_spec(ctx, _Q)
-  kv_spec = parallel.activation_spec(ctx, ("act_batch", "act_attn_seq", "act_kv_heads", None))
-  pos_spec = parallel.spec_of(parallel.dim_axes(q_spec, 0), parallel.dim_axes(q_spec, 1))
-  axes = parallel.dim_axes(q_spec, 1)
-  kind, impl = ctx.parallel.attention, ctx.parallel.impl
+  q_spec = plan.activation_spec(QUERY_AXES)
+  kv_spec = plan.activation_spec(("act_batch", "act_attn_seq", "act_kv_heads", None))
+  axes = plan.attention_axes()
+  pos_spec = parallel.spec_of(parallel.dim_axes(q_spec, 0), axes)
+  implementation = plan.attention().implementation
 
   def body(q, k, v, pos):
-    return sharded_attention(q, k, v, pos, kind=kind, axis_names=axes, impl=impl)
+    return sharded_attention(q, k, v, pos, implementation=implementation, axis_names=axes)
 
-  return parallel.shard_map(ctx, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec)(
+  return parallel.shard_map(plan, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec)(
       q_BSNH, k_BSGH, v_BSGH, positions_BS)
 
-
-_Q = ("act_batch", "act_attn_seq", "act_heads", None)

@@ -45,10 +45,21 @@ Compute = Callable[[jax.Array, Any], jax.Array]  # (received_RD, route) -> y_RD
 Receive = Callable[[jax.Array, Any], jax.Array]  # (y_RD, route) -> y_TD
 
 
+def num_chunks(num_tokens: int, chunks: int) -> int:
+  """The chunks `pipelined` cuts `num_tokens` tokens into when asked for `chunks`: at most one per token."""
+  return max(1, min(chunks, num_tokens))
+
+
 def chunk_bounds(num_tokens: int, chunks: int) -> list[int]:
   """Token offsets of `chunks` contiguous chunks (clamped to num_tokens), sizes differing by at most one."""
-  chunks = max(1, min(chunks, num_tokens))
+  chunks = num_chunks(num_tokens, chunks)
   return [num_tokens * i // chunks for i in range(chunks + 1)]
+
+
+def chunk_sizes(num_tokens: int, chunks: int) -> list[int]:
+  """Tokens in each chunk (chunk_bounds' differences)."""
+  bounds = chunk_bounds(num_tokens, chunks)
+  return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
 
 def pipelined(send: Send, compute: Compute, receive: Receive, x_TD: jax.Array, experts_TK: jax.Array,

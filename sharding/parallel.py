@@ -1,24 +1,22 @@
-"""What the parallel ops share: PartitionSpecs from the active rules, mesh-axis arithmetic, shard_map.
+"""What the parallel ops share: mesh-axis arithmetic on PartitionSpecs, shard_map, varying-axis types.
 
 A parallel op (tensor_parallel, context_parallel, expert_parallel) is called by model code on global
-arrays. With no rules active (one device, a notebook) it runs its per-device body directly. Inside
-`use_rules` it wraps that body in `jax.shard_map` with in/out specs read from the rules table, so the
+arrays. With no plan active (one device, a notebook) it runs its per-device body directly. Inside
+`use_plan` it wraps that body in `jax.shard_map` with in/out specs read from the plan's rules, so the
 communication is the op's own explicit collectives, never whatever GSPMD infers for a global-view sort
 or gather. Weights enter an op with their `embed` dimension whole: under FSDP that makes XLA all-gather
-them at the op (and reduce-scatter their gradients), which is FSDP.
+them at the op (and reduce-scatter their gradients), which is FSDP. Which implementation an op runs is
+the plan's choice (plan.py); nothing here decides.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
-from absl import logging
 from jax.sharding import PartitionSpec
 
-from meshmoe.sharding.rules import logical_to_spec
-from meshmoe.sharding.shardings import ShardingContext, per_device
+from meshmoe.sharding.shardings import per_device
 
 Axes = tuple[str, ...]
 
@@ -39,20 +37,6 @@ def all_axes(spec: PartitionSpec) -> Axes:
   return tuple(a for dim in range(len(spec)) for a in dim_axes(spec, dim))
 
 
-def axis_size(ctx: ShardingContext, axes: Axes) -> int:
-  return math.prod(ctx.mesh.shape[a] for a in axes)
-
-
-def activation_spec(ctx: ShardingContext, logical: Sequence[str | None]) -> PartitionSpec:
-  return logical_to_spec(logical, ctx.preset.activations)
-
-
-def weight_spec(ctx: ShardingContext, logical: Sequence[str | None]) -> PartitionSpec:
-  """A weight's spec inside an op: as the rules place it, except `embed`, which FSDP splits for storage
-  only (the op needs it whole)."""
-  return logical_to_spec([None if name == "embed" else name for name in logical], ctx.preset.params)
-
-
 def without(axes: Axes, removed: Axes) -> Axes:
   return tuple(a for a in axes if a not in removed)
 
@@ -66,47 +50,14 @@ def split_suffix(axes: Axes, wanted: Axes, what: str) -> Axes:
   return shared
 
 
-def shard_map(ctx: ShardingContext, body: Callable, in_specs, out_specs) -> Callable:
-  """jax.shard_map over the context's mesh; the body is traced with the rules off (it sees shards)."""
+def shard_map(plan, body: Callable, in_specs, out_specs) -> Callable:
+  """jax.shard_map over the plan's mesh; the body is traced with the plan off (it sees shards)."""
 
   def per_device_body(*args):
     with per_device():
       return body(*args)
 
-  return jax.shard_map(per_device_body, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs)
-
-
-def fused_kernel_backend(ctx: ShardingContext, op: str, unsupported: str | None = None) -> str | None:
-  """The backend of the `pallas` tier's fused kernel for `op` on this mesh: "mosaic_gpu" on GPUs when the
-  kernel takes the shapes (`unsupported` is None), else None, and the op runs its `xla` tier (said once
-  per reason in the log). `parallel.kernel_backend="reference"` picks the kernels' plain-collective
-  references instead, on any platform and shape."""
-  if ctx.parallel.impl != "pallas":
-    return None
-  if ctx.parallel.kernel_backend == "reference":
-    return "reference"
-  device = ctx.mesh.devices.flat[0]
-  capability = str(getattr(device, "compute_capability", ""))
-  if device.platform != "gpu":
-    reason = f"no fused kernels on {device.platform} (Mosaic GPU needs GPUs)"
-  elif not capability.startswith("9."):  # WGMMA and TMA as these kernels use them: Hopper
-    reason = f"the kernels are written for Hopper (compute capability 9.x), not {capability or 'unknown'}"
-  else:
-    reason = unsupported
-  if reason is None:
-    return "mosaic_gpu"
-  if (op, reason) not in _FALLBACKS_LOGGED:
-    _FALLBACKS_LOGGED.add((op, reason))
-    logging.warning("parallel.impl='pallas': %s runs its xla tier: %s", op, reason)
-  return None
-
-
-def num_sms(ctx: ShardingContext) -> int:
-  """Streaming multiprocessors of the mesh's GPUs (the fused kernels launch one thread block on each)."""
-  return int(getattr(ctx.mesh.devices.flat[0], "core_count", 132))
-
-
-_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+  return jax.shard_map(per_device_body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def varying_axes(a: jax.Array) -> Axes:

@@ -1,15 +1,15 @@
-"""Turning logical axis names into shardings: parameters (from variable metadata) and activations.
+"""Turning logical axis names into shardings, and the active parallel plan.
 
-Model code calls `constrain(x, ("act_batch", "act_seq", "act_embed"))`. Inside `use_rules(mesh, preset)`
-that becomes a sharding constraint; outside it (a single device, a notebook) it does nothing. Parameters
-carry their logical names as `logical_axes` metadata on each nnx.Variable.
+Model code calls `constrain(x, ("act_batch", "act_seq", "act_embed"))`. Inside `use_plan(plan)` that
+becomes a sharding constraint under the plan's rules; outside it (a single device, a notebook) it does
+nothing. Parameters carry their logical names as `logical_axes` metadata on each nnx.Variable. The
+parallel ops read the plan that `use_plan` activates (`current`) to choose their implementation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,36 +17,25 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshmoe.config import ParallelConfig
-from meshmoe.sharding.rules import Preset, Rules, get_preset, logical_to_spec
+from meshmoe.sharding.rules import Rules, logical_to_spec
 
-
-@dataclasses.dataclass(frozen=True)
-class ShardingContext:
-  mesh: Mesh
-  preset: Preset
-  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # parallel-op choices
-
-
-_CURRENT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar("meshmoe_rules", default=None)
+# The active meshmoe.sharding.plan.ParallelPlan (not imported: the plan module imports this one).
+_CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("meshmoe_plan", default=None)
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, preset: str | Preset,
-              parallel: ParallelConfig | None = None) -> Iterator[ShardingContext]:
-  """Activates `preset` on `mesh` (and the parallel-op choices) for model code traced inside the block."""
-  ctx = ShardingContext(mesh, get_preset(preset) if isinstance(preset, str) else preset,
-                        parallel or ParallelConfig())
-  token = _CURRENT.set(ctx)
+def use_plan(plan) -> Iterator[Any]:
+  """Activates `plan` (a ParallelPlan) for model code and parallel ops traced inside the block."""
+  token = _CURRENT.set(plan)
   try:
-    yield ctx
+    yield plan
   finally:
     _CURRENT.reset(token)
 
 
 @contextlib.contextmanager
 def per_device() -> Iterator[None]:
-  """Deactivates the rules: for code traced inside a shard_map body, which sees per-device arrays."""
+  """Deactivates the plan: for code traced inside a shard_map body, which sees per-device arrays."""
   token = _CURRENT.set(None)
   try:
     yield
@@ -54,19 +43,18 @@ def per_device() -> Iterator[None]:
     _CURRENT.reset(token)
 
 
-def current() -> ShardingContext | None:
+def current():
+  """The active ParallelPlan, or None."""
   return _CURRENT.get()
 
 
 def activation_sharding(logical_axes: Sequence[str | None]) -> NamedSharding | None:
-  ctx = _CURRENT.get()
-  if ctx is None:
-    return None
-  return NamedSharding(ctx.mesh, logical_to_spec(logical_axes, ctx.preset.activations))
+  plan = _CURRENT.get()
+  return None if plan is None else plan.activation_sharding(logical_axes)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-  """Constrains activation `x` to the sharding its logical axes get under the active rules."""
+  """Constrains activation `x` to the sharding its logical axes get under the active plan."""
   if x.ndim != len(logical_axes):
     raise ValueError(f"array of rank {x.ndim} given {len(logical_axes)} logical axes {logical_axes}")
   sharding = activation_sharding(logical_axes)
@@ -99,20 +87,3 @@ def named_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
   """NamedSharding for every variable in `state` under `rules` (same tree structure)."""
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(state, rules),
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def param_shardings(state: Any, mesh: Mesh, preset: str | Preset) -> Any:
-  preset = get_preset(preset) if isinstance(preset, str) else preset
-  return named_shardings(state, mesh, preset.params)
-
-
-def optimizer_shardings(state: Any, mesh: Mesh, preset: str | Preset) -> Any:
-  """Shardings for optimizer state shaped like the parameters in `state` (ZeRO-1 splits it further)."""
-  preset = get_preset(preset) if isinstance(preset, str) else preset
-  return named_shardings(state, mesh, preset.optimizer_rules())
-
-
-def batch_sharding(mesh: Mesh, preset: str | Preset) -> NamedSharding:
-  """Sharding of a [batch, seq] token array under `preset`."""
-  preset = get_preset(preset) if isinstance(preset, str) else preset
-  return NamedSharding(mesh, logical_to_spec(("act_batch", "act_seq"), preset.activations))

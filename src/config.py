@@ -1,11 +1,13 @@
 """Typed configuration for meshmoe, validated up front.
 
 Every section is a plain dataclass so that experiment files, notebooks and absl `--config.a.b=v` overrides
-all edit the same fields. `Config.validate(num_devices)` checks everything before any array is built; a
-bad value raises one `ConfigError` that names the field, the value and what is allowed.
+all edit the same fields. `Config.validate(num_devices)` checks every field, and the mesh against the device
+count, before any array is built; a bad value raises one `ConfigError` that names the field, the value and
+what is allowed. This module is plain data that every layer imports, so it imports nothing of meshmoe.
 
-Sharding-dependent checks (a dimension that a preset splits over mesh axes must divide evenly) live beside
-the rules table in `meshmoe.sharding.rules` and are run from `Config.validate`.
+What depends on the rules table (a dimension that a preset splits over mesh axes must divide evenly) is
+checked where the table lives, when the run's parallel plan is built (meshmoe.sharding.plan,
+`ParallelPlan.build`), also before any array is built.
 """
 
 
@@ -15,14 +17,14 @@ from typing import Any
 
 MESH_AXES = ("data", "expert", "tensor", "sequence")
 PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
-# Parallel-op tiers (DESIGN.md).
+# Parallel-op tiers: what each runs is meshmoe.sharding.plan.TIERS.
 IMPLS = ("reference", "xla", "pallas")
-KERNEL_BACKENDS = ("auto", "reference")
+KERNEL_BACKENDS = ("auto", "collectives")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
 XLA_FLAG_PRESETS = ("none", "overlap", "overlap_windowed_einsum")  # meshmoe.runtime.xla_flags.PRESETS
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
-GEMM_IMPLS = ("auto", "blocked", "ragged_dot")
+GROUPED_GEMMS = ("auto", "blocked", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 NAN_POLICIES = ("halt", "skip")
@@ -54,9 +56,6 @@ class MoEConfig:
   # None: dropless (every token reaches its k experts). A number: each expert takes at most
   # ceil(capacity_factor * tokens * top_k / num_experts) tokens per sequence; the rest are dropped and counted.
   capacity_factor: float | None = None
-  # Grouped GEMM of the dropless path: "auto" picks per backend ("blocked" on CPU, "ragged_dot" elsewhere).
-  gemm_impl: str = "auto"
-  gemm_block_rows: int = 0  # rows per expert tile of the "blocked" GEMM; 0 picks one from the shapes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -97,15 +96,15 @@ class MeshConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
-  # Parallel-op tier (DESIGN.md): "reference" (plain collectives under shard_map), "xla" (decomposed so
+  # Parallel-op tier (ARCHITECTURE.md): "reference" (plain collectives under shard_map), "xla" (decomposed so
   # that XLA's asynchronous collectives overlap independent compute: ring collective matmuls, a chunked
   # MoE dispatch/GEMM/combine pipeline, ring attention that overlaps each transfer with a block) or
   # "pallas" (fused communication + GEMM kernels of meshmoe.pallas_kernels on Hopper GPUs; an op runs
   # its "xla" tier where no kernel applies: other platforms, shapes the kernels do not tile, attention).
   impl: str = "reference"
   # impl="pallas": "auto" runs the Mosaic GPU kernels on Hopper GPUs (each op's "xla" tier elsewhere);
-  # "reference" runs the tier's layouts with each kernel replaced by its plain-collective reference, on any
-  # platform (to check the tier on CPU).
+  # "collectives" runs the tier's layouts with each kernel replaced by its plain-collective version (the
+  # kernel's reference.py), on any platform (to check the tier on CPU).
   kernel_backend: str = "auto"
   # Attention over a sequence split across devices (sharding/context_parallel.py): "allgather" (gather
   # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
@@ -114,9 +113,25 @@ class ParallelConfig:
   # impl="xla": each device's MoE tokens go through dispatch -> expert GEMM -> combine in this many
   # chunks, so one chunk's all-to-alls overlap another chunk's GEMM. 1 turns the pipeline off.
   moe_chunks: int = 2
-  # XLA flag preset for GPUs (src/xla_flags.py): "overlap" (latency-hiding scheduler, collectives
+  # The routed experts' grouped GEMM where no fused kernel runs: "auto" picks per platform ("blocked" on
+  # CPU, where XLA computes ragged_dot densely over every expert; "ragged_dot" elsewhere).
+  grouped_gemm: str = "auto"
+  gemm_block_rows: int = 0  # rows per expert tile of the "blocked" GEMM; 0 picks one from the shapes
+  # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, collectives
   # pipelined across loop iterations, combining), "overlap_windowed_einsum" or "none" (XLA's defaults).
   xla_flags: str = "overlap"
+
+  def validate(self) -> "ParallelConfig":
+    """Checks every field (Config.validate does, and so does a parallel plan built without a Config)."""
+    _check_choice("parallel.impl", self.impl, IMPLS)
+    _check_choice("parallel.kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+    _check_choice("parallel.attention", self.attention, ATTENTION_KINDS)
+    _check_positive_int("parallel.moe_chunks", self.moe_chunks)
+    _check_choice("parallel.grouped_gemm", self.grouped_gemm, GROUPED_GEMMS)
+    _check_int("parallel.gemm_block_rows", self.gemm_block_rows, 0,
+               "0 (chosen from the shapes) or a positive number of rows")
+    _check_choice("parallel.xla_flags", self.xla_flags, XLA_FLAG_PRESETS)
+    return self
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -210,7 +225,8 @@ class Config:
   resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
 
   def validate(self, num_devices: int | None = None) -> "Config":
-    """Checks every field; with `num_devices`, also the mesh and the sharding divisibility. Returns self."""
+    """Checks every field; with `num_devices`, also that the mesh axes multiply to it. Returns self. The
+    divisibility of the dimensions a preset splits is checked by ParallelPlan.build."""
     _validate_model(self.model)
     _validate_train(self.train, self.model)
     _validate_optimizer(self.optimizer)
@@ -218,15 +234,9 @@ class Config:
     _validate_checkpoint_and_sample(self.checkpoint, self.sample)
     _validate_resilience(self.resilience)
     _validate_mesh(self.mesh)
-    _check_choice("parallel.impl", self.parallel.impl, IMPLS)
-    _check_choice("parallel.kernel_backend", self.parallel.kernel_backend, KERNEL_BACKENDS)
-    _check_choice("parallel.attention", self.parallel.attention, ATTENTION_KINDS)
-    _check_positive_int("parallel.moe_chunks", self.parallel.moe_chunks)
-    _check_choice("parallel.xla_flags", self.parallel.xla_flags, XLA_FLAG_PRESETS)
+    self.parallel.validate()
     if num_devices is not None:
-      from meshmoe.sharding import rules  # lazy: sharding imports this module
-
-      rules.check_divisibility(self, resolve_mesh_sizes(self.mesh, num_devices))
+      resolve_mesh_sizes(self.mesh, num_devices)
     return self
 
 
@@ -306,9 +316,6 @@ def _validate_moe(moe: MoEConfig) -> None:
   if moe.capacity_factor is not None:
     _check_positive_float("model.moe.capacity_factor", moe.capacity_factor,
                           "None for dropless routing, or a finite number > 0")
-  _check_choice("model.moe.gemm_impl", moe.gemm_impl, GEMM_IMPLS)
-  _check_int("model.moe.gemm_block_rows", moe.gemm_block_rows, 0,
-             "0 (chosen from the shapes) or a positive number of rows")
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:

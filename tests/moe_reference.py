@@ -1,4 +1,4 @@
-"""A naive per-token MoE reference, written independently of meshmoe.sharding.dispatch.
+"""A naive per-token MoE reference, written independently of meshmoe.sharding.grouped_ffn.
 
 Expert choice is made in NumPy (float64, argsort) from the concrete parameters, then the output is a
 Python loop over tokens and their chosen experts, differentiable with respect to the parameters and input

@@ -1,8 +1,8 @@
 """Config validation: every bad value raises one ConfigError naming the field, the value and what is allowed.
 
 Each error case checks `err.field`, `err.value` (same type too, so True is not mistaken for 1) and the full
-message text. Sharding-divisibility cases run through `Config.validate(num_devices=8)`, which resolves the
-mesh and calls `meshmoe.sharding.rules.check_divisibility`.
+message text. Sharding-divisibility cases run what a run checks before it builds anything: `Config.validate`
+with the device count, then `meshmoe.sharding.rules.check_divisibility` (ParallelPlan.build runs it).
 """
 
 import dataclasses
@@ -10,9 +10,13 @@ import math
 
 import pytest
 
+import jax
+
 from meshmoe import config as config_lib
 from meshmoe.config import Config, ConfigError, MeshConfig, resolve_mesh_sizes
 from meshmoe.sharding import rules
+from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import ParallelPlan
 
 INF, NAN = float("inf"), float("nan")
 ALL_PRESETS = "one of 'dp', 'fsdp', 'zero1', 'ep', 'tp_sp', 'megascale'"
@@ -30,10 +34,19 @@ def make(**fields) -> Config:
   return cfg
 
 
+def validate(cfg: Config, num_devices: int | None = None) -> Config:
+  """What a run checks before it builds anything: every field; with a device count, the mesh and that the
+  preset divides every dimension it splits (what ParallelPlan.build checks)."""
+  cfg.validate(num_devices)
+  if num_devices is not None:
+    rules.check_divisibility(cfg, resolve_mesh_sizes(cfg.mesh, num_devices))
+  return cfg
+
+
 def expect_error(cfg: Config, field: str, value, message: str, num_devices: int | None = None) -> ConfigError:
   """Validates `cfg`; asserts one ConfigError with exactly this field, value and full message."""
   with pytest.raises(ConfigError) as info:
-    cfg.validate(num_devices)
+    validate(cfg, num_devices)
   err = info.value
   assert err.field == field
   assert type(err.value) is type(value)
@@ -62,7 +75,7 @@ def test_config_error_is_a_value_error_with_field_value_allowed():
 @pytest.mark.parametrize("num_devices", [None, 1, 8])
 def test_default_config_validates(num_devices):
   cfg = Config()
-  assert cfg.validate(num_devices) is cfg
+  assert validate(cfg, num_devices) is cfg
 
 
 @pytest.mark.parametrize("fields", [
@@ -73,14 +86,14 @@ def test_default_config_validates(num_devices):
     {"model.moe.num_shared_experts": 2},
     {"model.moe.capacity_factor": 1.25},
     {"model.moe.capacity_factor": 1},  # an int is a number
-    {"model.moe.gemm_block_rows": 64},
+    {"parallel.gemm_block_rows": 64},
     {"model.moe.aux_loss_weight": 0.0, "model.moe.z_loss_weight": 0, "model.moe.expert_bias_update_rate": 0.0},
-    {"model.moe.score_fn": "sigmoid", "model.moe.gemm_impl": "blocked", "model.dtype": "bfloat16"},
+    {"model.moe.score_fn": "sigmoid", "parallel.grouped_gemm": "blocked", "model.dtype": "bfloat16"},
     {"train.seq_len": 256},  # == model.max_seq_len
     {"train.seed": 12345},
 ], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_valid_boundary_values(fields):
-  make(**fields).validate(8)
+  validate(make(**fields), 8)
 
 
 # --- per-field type and range checks ---------------------------------------------------------------------------
@@ -129,11 +142,12 @@ def test_non_negative_loss_weights(field, value):
     ("model.dtype", "Float32", "one of 'float32', 'bfloat16'"),  # case-sensitive
     ("model.dtype", None, "one of 'float32', 'bfloat16'"),
     ("model.moe.score_fn", "tanh", "one of 'softmax', 'sigmoid'"),
-    ("model.moe.gemm_impl", "dense", "one of 'auto', 'blocked', 'ragged_dot'"),
+    ("parallel.grouped_gemm", "dense", "one of 'auto', 'blocked', 'ragged_dot'"),
     ("mesh.preset", "pp", ALL_PRESETS),
     ("mesh.preset", "", ALL_PRESETS),
     ("parallel.impl", "triton", "one of 'reference', 'xla', 'pallas'"),
-    ("parallel.kernel_backend", "mosaic_gpu", "one of 'auto', 'reference'"),
+    ("parallel.kernel_backend", "mosaic_gpu", "one of 'auto', 'collectives'"),
+    ("parallel.kernel_backend", "reference", "one of 'auto', 'collectives'"),
     ("parallel.moe_chunks", 0, "a positive integer"),
     ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
 ]])
@@ -167,11 +181,11 @@ def _case(fields, field, value, allowed):
     ({"model.moe.num_shared_experts": -1}, "model.moe.num_shared_experts", -1, "an integer >= 0"),
     ({"model.moe.num_shared_experts": 1.5}, "model.moe.num_shared_experts", 1.5, "an integer >= 0"),
     ({"model.moe.num_shared_experts": True}, "model.moe.num_shared_experts", True, "an integer >= 0"),
-    ({"model.moe.gemm_block_rows": -1}, "model.moe.gemm_block_rows", -1,
+    ({"parallel.gemm_block_rows": -1}, "parallel.gemm_block_rows", -1,
      "0 (chosen from the shapes) or a positive number of rows"),
-    ({"model.moe.gemm_block_rows": 8.0}, "model.moe.gemm_block_rows", 8.0,
+    ({"parallel.gemm_block_rows": 8.0}, "parallel.gemm_block_rows", 8.0,
      "0 (chosen from the shapes) or a positive number of rows"),
-    ({"model.moe.gemm_block_rows": True}, "model.moe.gemm_block_rows", True,
+    ({"parallel.gemm_block_rows": True}, "parallel.gemm_block_rows", True,
      "0 (chosen from the shapes) or a positive number of rows"),
     ({"train.seq_len": 257}, "train.seq_len", 257, "at most model.max_seq_len=256"),
     ({"model.max_seq_len": 64}, "train.seq_len", 128, "at most model.max_seq_len=64"),
@@ -269,7 +283,7 @@ def test_config_and_rules_agree_on_presets():
     MeshConfig(data=1, expert=2, tensor=2, sequence=2, preset="megascale"),
 ], ids=lambda m: f"{m.preset}:{m.data},{m.expert},{m.tensor},{m.sequence}")
 def test_default_model_fits_every_preset_on_8_devices(mesh):
-  make(mesh=mesh).validate(8)
+  validate(make(mesh=mesh), 8)
 
 
 # The words each error uses for a split dimension (logical name -> description).
@@ -380,21 +394,21 @@ def test_sharding_divisibility(fields, mesh, field, value, allowed):
 def test_presets_without_tensor_parallelism_do_not_split_heads_or_vocab(preset):
   cfg = make(mesh=MeshConfig(preset=preset), **{"model.num_heads": 6, "model.num_kv_heads": 3,
                                                 "model.vocab_size": 250})
-  cfg.validate(8)
+  validate(cfg, 8)
 
 
-def test_divisibility_is_only_checked_with_a_device_count():
+def test_divisibility_is_checked_when_the_plan_is_built():
   cfg = make(mesh=MeshConfig(data=2, expert=4, preset="ep"), **{"model.moe.num_experts": 6})
-  assert cfg.validate() is cfg
-  with pytest.raises(ConfigError):
-    cfg.validate(8)
+  assert cfg.validate() is cfg and cfg.validate(8) is cfg  # the fields and the mesh are fine
+  with pytest.raises(ConfigError, match="model.moe.num_experts=6 is invalid: a multiple of 4"):
+    ParallelPlan.build(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
 
 
 def test_replace_keeps_validation():
   base = Config()
   cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, head_dim=31))
   expect_error(cfg, "model.head_dim", 31, "an even number (rotary embeddings rotate pairs)")
-  base.validate(8)  # the original is untouched
+  validate(base, 8)  # the original is untouched
 
 
 @pytest.mark.parametrize("num_devices", [0, -8])

@@ -65,7 +65,7 @@ POSITIVE_INTS = ["model.vocab_size", "model.embed_dim", "model.num_layers", "mod
                  "model.mlp_dim", "model.max_seq_len", "model.moe.num_experts", "model.moe.expert_mlp_dim",
                  "train.steps", "train.global_batch_size", "train.log_every", "train.eval_batches",
                  "checkpoint.keep", "parallel.moe_chunks", "resilience.max_consecutive_skips"]
-NON_NEGATIVE_INTS = ["model.moe.num_shared_experts", "model.moe.gemm_block_rows", "optimizer.warmup_steps",
+NON_NEGATIVE_INTS = ["model.moe.num_shared_experts", "parallel.gemm_block_rows", "optimizer.warmup_steps",
                      "train.eval_every", "checkpoint.every_steps", "sample.max_new_tokens",
                      "resilience.straggler_every_steps"]
 POSITIVE_FLOATS = ["model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
@@ -74,7 +74,7 @@ NON_NEGATIVE_FLOATS = ["model.moe.aux_loss_weight", "model.moe.z_loss_weight", "
                        "optimizer.weight_decay", "optimizer.grad_clip_norm", "train.peak_flops_per_device",
                        "sample.temperature"]
 CHOICES = {"model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
-           "model.moe.score_fn": config_lib.SCORE_FNS, "model.moe.gemm_impl": config_lib.GEMM_IMPLS,
+           "model.moe.score_fn": config_lib.SCORE_FNS, "parallel.grouped_gemm": config_lib.GROUPED_GEMMS,
            "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,

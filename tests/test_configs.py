@@ -22,7 +22,9 @@ import pytest
 from flax import nnx
 
 from meshmoe.analysis import cost_model
+from meshmoe.config import resolve_mesh_sizes
 from meshmoe.models.decoder import Transformer
+from meshmoe.sharding import rules
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
@@ -67,8 +69,11 @@ def test_full_size_configs_are_present():
 
 
 def test_config_validates(config_path):
+  """Every field, the mesh, and the divisibility of what its preset splits (what ParallelPlan.build checks)."""
   config = load(config_path).get_config()
-  config.validate(NUM_DEVICES.get(config_path.stem, DEFAULT_DEVICES))
+  num_devices = NUM_DEVICES.get(config_path.stem, DEFAULT_DEVICES)
+  config.validate(num_devices)
+  rules.check_divisibility(config, resolve_mesh_sizes(config.mesh, num_devices))
 
 
 def test_docstring_names_the_command_and_the_file(config_path):
@@ -84,7 +89,7 @@ def test_full_size_config_settings_and_docstring(name):
   config = module.get_config()
   assert config.model.dtype == "bfloat16"
   assert config.model.remat in ("full", "dots")
-  assert config.model.moe.gemm_impl == "auto"
+  assert config.parallel.grouped_gemm == "auto"
   assert not config.model.tie_embeddings
   doc = module.__doc__
   assert (f"python -m experiments.aot --config=experiments/configs/{name}.py --target=h100 --devices=64"
@@ -101,6 +106,7 @@ def test_mid_size_config_states_its_current_counts():
   assert f"{counts['total']:,}" in module.__doc__ and f"{counts['active']:,}" in module.__doc__
   assert abstract_param_count(config.model) == counts["total"]
   config.validate(1)  # one GPU: every axis 1
+  rules.check_divisibility(config, resolve_mesh_sizes(config.mesh, 1))
 
 
 @pytest.mark.parametrize("name", FULL_SIZE)

@@ -94,18 +94,19 @@ def test_causal_attention_keeps_query_dtype():
   assert out.dtype == jnp.bfloat16 and out.shape == q.shape
 
 
-def test_sharded_attention_without_sequence_axes_is_local_attention():
+def test_local_implementation_is_attention_over_the_whole_sequence():
   q, k, v, _ = _qkv(B, 16, 4, 2, H)
   pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (B, 16))
-  for kind in cp.KINDS:
-    assert_close(cp.sharded_attention(q, k, v, pos, kind=kind, axis_names=()), _reference(q, k, v),
-                 FP32_MODULE_RTOL, f"{kind} with no sequence axes")
+  assert_close(cp.sharded_attention(q, k, v, pos, implementation="local", axis_names=()), _reference(q, k, v),
+               FP32_MODULE_RTOL, "local attention")
+  with pytest.raises(ValueError, match="local attention takes no mesh axes"):
+    cp.sharded_attention(q, k, v, pos, implementation="local", axis_names=("seq",))
 
 
-def test_sharded_attention_rejects_unknown_kind():
+def test_sharded_attention_rejects_unknown_implementation():
   q, k, v, _ = _qkv(1, 8, 4, 2, H)
-  with pytest.raises(ValueError, match="flash"):
-    cp.sharded_attention(q, k, v, jnp.arange(8)[None], kind="flash", axis_names=())
+  with pytest.raises(ValueError, match="unknown context-parallel attention 'flash'; known: local, allgather"):
+    cp.sharded_attention(q, k, v, jnp.arange(8)[None], implementation="flash", axis_names=())
 
 
 # sharded_attention inside shard_map
@@ -118,7 +119,8 @@ LAYOUTS = [
     ((2, 4), ("a", "b"), (), ("a", "b")),  # the sequence over two axes: device index a * 4 + b
     ((2, 4), ("data", "seq"), ("data",), ("seq",)),  # the batch split too
 ]
-CASES = [(kind, *layout) for kind in cp.KINDS for layout in LAYOUTS]
+KINDS = ("allgather", "ring", "ulysses")  # each kind's reference-tier implementation has the kind's name
+CASES = [(kind, *layout) for kind in KINDS for layout in LAYOUTS]
 
 
 def _spec(batch_axes, seq_axes):
@@ -129,8 +131,9 @@ def _spec(batch_axes, seq_axes):
 def _sharded_fn(mesh, batch_axes, seq_axes, kind):
   """q, k, v, positions (zigzag order, global) -> output (zigzag order, global), by shard_map."""
   spec = _spec(batch_axes, seq_axes)
-  return jax.shard_map(lambda q, k, v, pos: cp.sharded_attention(q, k, v, pos, kind=kind, axis_names=seq_axes),
-                       mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)
+  return jax.shard_map(
+      lambda q, k, v, pos: cp.sharded_attention(q, k, v, pos, implementation=kind, axis_names=seq_axes),
+      mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)
 
 
 @pytest.mark.parametrize("kind,shape,names,batch_axes,seq_axes", CASES,

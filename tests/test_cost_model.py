@@ -16,42 +16,48 @@ import pytest
 
 from experiments.configs import tiny_moe
 from meshmoe.analysis import cost_collectives, cost_model, hlo_collectives, hlo_flops
-from meshmoe.training import train_step
 from meshmoe.config import MeshConfig, ParallelConfig
-from meshmoe.sharding.mesh import make_mesh
+from meshmoe.training import train_step
+from tests.model_steps import plan_for
 
-LAYOUTS = [  # (data, expert, tensor, sequence), preset, attention, remat
-    ((8, 1, 1, 1), "dp", "allgather", "none"),
-    ((1, 8, 1, 1), "ep", "allgather", "none"),
-    ((2, 2, 2, 1), "tp_sp", "allgather", "none"),
-    ((2, 2, 1, 2), "megascale", "allgather", "none"),
-    ((2, 2, 1, 2), "megascale", "ring", "full"),
-    ((1, 4, 2, 1), "megascale", "allgather", "none"),
-    ((4, 1, 1, 2), "tp_sp", "ulysses", "none"),
-    ((8, 1, 1, 1), "fsdp", "allgather", "none"),
-    ((4, 2, 1, 1), "zero1", "allgather", "none"),
+LAYOUTS = [  # (data, expert, tensor, sequence), preset, attention, remat, tier
+    ((8, 1, 1, 1), "dp", "allgather", "none", "reference"),
+    ((1, 8, 1, 1), "ep", "allgather", "none", "reference"),
+    ((2, 2, 2, 1), "tp_sp", "allgather", "none", "reference"),
+    ((2, 2, 1, 2), "megascale", "allgather", "none", "reference"),
+    ((2, 2, 1, 2), "megascale", "ring", "full", "reference"),
+    ((1, 4, 2, 1), "megascale", "allgather", "none", "reference"),
+    ((4, 1, 1, 2), "tp_sp", "ulysses", "none", "reference"),
+    ((8, 1, 1, 1), "fsdp", "allgather", "none", "reference"),
+    ((4, 2, 1, 1), "zero1", "allgather", "none", "reference"),
+    # The xla tier's zigzag ring computes 2n+1 of 4n attention blocks, its chunked MoE one group-size
+    # exchange per chunk; the pallas tier's kernels as plain collectives gather whole tile buffers.
+    ((2, 2, 1, 2), "megascale", "ring", "none", "xla"),
+    ((2, 4, 1, 1), "ep", "allgather", "none", "pallas"),
+    ((2, 2, 2, 1), "tp_sp", "allgather", "none", "pallas"),
 ]
 EXPLICIT_KINDS = ("all-to-all", "reduce-scatter", "collective-permute")
 
 
-def _config(sizes, preset, attention, remat):
+def _config(sizes, preset, attention, remat, impl="reference"):
   config = tiny_moe.get_config()
   data, expert, tensor, sequence = sizes
   config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
-  config.parallel = ParallelConfig(attention=attention)
+  # The pallas tier's kernels need GPUs; on CPU it runs their plain-collective versions.
+  config.parallel = ParallelConfig(impl=impl, attention=attention, kernel_backend="collectives")
   config.model.remat = remat
   return config.validate(8)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,attention,remat", LAYOUTS,
-                         ids=[f"{p}-{'x'.join(map(str, s))}-{a}-{r}" for s, p, a, r in LAYOUTS])
-def test_cost_model_matches_compiled_step(sizes, preset, attention, remat):
-  config = _config(sizes, preset, attention, remat)
-  mesh = make_mesh(config.mesh)
-  trainer, state = train_step.create(config, mesh)
-  compiled = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh)).compile()
-  cost = cost_model.step_cost(config, 8)
+@pytest.mark.parametrize("sizes,preset,attention,remat,impl", LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{a}-{r}-{i}" for s, p, a, r, i in LAYOUTS])
+def test_cost_model_matches_compiled_step(sizes, preset, attention, remat, impl):
+  config = _config(sizes, preset, attention, remat, impl)
+  plan = plan_for(config)
+  trainer, state = train_step.create(config, plan)
+  compiled = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
+  cost = cost_model.step_cost(config, plan)
 
   flops = hlo_flops.matmul_flops(compiled.as_text())
   assert abs(flops / cost.executed_flops_per_device.total - 1) <= 0.10, (flops, cost.executed_flops_per_device)
@@ -74,15 +80,15 @@ def test_parameter_memory_is_exact():
   """Parameter and optimizer bytes per device equal what the sharded arrays really hold (ZeRO-1 splits
   only the optimizer state)."""
   config = _config((4, 2, 1, 1), "zero1", "allgather", "none")
-  mesh = make_mesh(config.mesh)
-  trainer, state = train_step.create(config, mesh)
+  plan = plan_for(config)
+  trainer, state = train_step.create(config, plan)
   device = jax.devices()[0]
 
   def bytes_on_device(tree):
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
                if shard.device == device)
 
-  memory = cost_model.step_cost(config, 8).memory
+  memory = cost_model.step_cost(config, plan).memory
   assert memory.params == bytes_on_device(state.params)
   moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if np.ndim(leaf) > 0]
   assert memory.optimizer == bytes_on_device(moments)
@@ -91,6 +97,7 @@ def test_parameter_memory_is_exact():
 
 def test_useful_flops_do_not_depend_on_the_layout():
   """Model FLOPs (what MFU divides by) are a property of the model and batch, not of the mesh."""
-  values = {cost_model.step_cost(_config(s, p, a, r), 8).model_flops for s, p, a, r in LAYOUTS}
+  configs = [_config(*layout) for layout in LAYOUTS]
+  values = {cost_model.step_cost(config, plan_for(config)).model_flops for config in configs}
   assert len(values) == 1
 

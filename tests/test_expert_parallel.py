@@ -1,8 +1,9 @@
 """Expert parallelism (sharding/expert_parallel.py) equals the one-device MoE arithmetic on 8 CPU devices.
 
-The reference is dispatch.moe_local on one device, itself checked against the naive per-token reference in
-test_moe.py. Loads are made uneven on purpose: some experts get no tokens, one gets most of them, and some
-assignments are dropped (expert id E), as capacity mode produces.
+The reference is grouped_ffn.moe_local on one device, itself checked against the naive per-token reference
+in test_moe.py: the output tensor element by element and the gradients of the inputs, the combine weights
+and the expert weights. Loads are made uneven on purpose: some experts get no tokens, one gets most of
+them, and some assignments are dropped (expert id E), as capacity mode produces.
 """
 
 import jax
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from meshmoe.config import MeshConfig
-from meshmoe.sharding import dispatch, expert_parallel
+from meshmoe.config import MeshConfig, ParallelConfig
+from meshmoe.models.layers import swiglu_hidden
+from meshmoe.sharding import expert_parallel, grouped_ffn
 from meshmoe.sharding.mesh import make_mesh
-from meshmoe.sharding.rules import PRESETS, logical_to_spec
-from meshmoe.sharding.shardings import activation_sharding, use_rules
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import use_plan
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
 B, S, D, F, E, K = 8, 8, 16, 12, 8, 2
@@ -39,40 +41,53 @@ def _inputs(load: str):
     experts = jnp.where(jax.random.uniform(keys[3], (B, S, K)) < 0.33, E, experts)
   weights = jax.random.uniform(keys[4], (B, S, K), jnp.float32)
   w_keys = jax.random.split(keys[5], 3)
-  w = dispatch.ExpertWeights(0.3 * jax.random.normal(w_keys[0], (E, D, F)),
+  w = grouped_ffn.ExpertWeights(0.3 * jax.random.normal(w_keys[0], (E, D, F)),
                              0.3 * jax.random.normal(w_keys[1], (E, D, F)),
                              0.3 * jax.random.normal(w_keys[2], (E, F, D)))
   return x, experts.astype(jnp.int32), weights, w
 
 
-def _loss(y, cotangent):
-  return jnp.sum(y * cotangent)
+def local_moe(x, experts, weights, w):
+  """The one-device reference."""
+  return grouped_ffn.moe_local(x, experts, weights, w, swiglu_hidden, "blocked")
 
 
-def _value_and_grads(fn, x, experts, weights, w, cotangent):
+def output_and_grads(fn, x, experts, weights, w, cotangent):
+  """(fn's output, the gradients of <output, cotangent> with respect to x, weights and w)."""
   def f(x, weights, w):
-    return _loss(fn(x, experts, weights, w), cotangent)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, weights, w)
+    y = fn(x, experts, weights, w)
+    return jnp.sum(y * cotangent), y
+  (_, y), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, weights, w)
+  return y, grads
 
 
-def _sharded(sizes, preset, parallel=None, gemm_impl="blocked"):
-  """The op on a mesh of `sizes` under `preset` (and the tier in `parallel`), and how to place its inputs."""
+def assert_matches(got, want) -> None:
+  """`output_and_grads` results equal: the whole output tensor, then every gradient."""
+  (y, grads), (ref_y, ref_grads) = got, want
+  assert_close(y, ref_y, FP32_MODULE_RTOL, "output")
+  for name, got_grad, want_grad in zip(("x", "weights", "w"), grads, ref_grads):
+    for leaf_got, leaf_want in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True):
+      assert_close(leaf_got, leaf_want, FP32_MODULE_RTOL, f"grad {name}")
+
+
+def _sharded(sizes, preset, parallel: ParallelConfig | None = None):
+  """The op on a mesh of `sizes` run by the plan of `preset` and `parallel` (default: the reference tier,
+  blocked GEMM), and how to place its inputs."""
   data, expert, tensor, sequence = sizes
   mesh = make_mesh(MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset),
                    jax.devices())
+  plan = ParallelPlan.for_mesh(mesh, preset, parallel or ParallelConfig(grouped_gemm="blocked"))
 
   def fn(x, experts, weights, w):
-    with use_rules(mesh, preset, parallel):
-      return expert_parallel.moe_ffn(x, experts, weights, w, gemm_impl=gemm_impl)
+    with use_plan(plan):
+      return expert_parallel.moe_ffn(x, experts, weights, w, swiglu_hidden)
 
   def place(x, experts, weights, w):
-    with use_rules(mesh, preset):
-      tokens = activation_sharding(("act_batch", "act_seq", None))
+    tokens = plan.activation_sharding(("act_batch", "act_seq", None))
     names = {"gate_EDF": ("exp", "embed", "exp_mlp"), "up_EDF": ("exp", "embed", "exp_mlp"),
              "down_EFD": ("exp", "exp_mlp", "embed")}
-    w = dispatch.ExpertWeights(*(
-        jax.device_put(getattr(w, n), NamedSharding(mesh, logical_to_spec(axes, PRESETS[preset].params)))
-        for n, axes in names.items()))
+    w = grouped_ffn.ExpertWeights(*(jax.device_put(getattr(w, n), NamedSharding(mesh, plan.param_spec(axes)))
+                                    for n, axes in names.items()))
     return (jax.device_put(x, tokens), jax.device_put(experts, tokens), jax.device_put(weights, tokens), w)
 
   return fn, place, mesh
@@ -83,20 +98,15 @@ def _sharded(sizes, preset, parallel=None, gemm_impl="blocked"):
 def test_expert_parallel_matches_one_device(sizes, preset, load):
   x, experts, weights, w = _inputs(load)
   cotangent = jax.random.normal(jax.random.key(9), x.shape)
-  local = lambda x, e, g, w: dispatch.moe_local(x, e, g, w, "blocked")
-  ref_value, ref_grads = _value_and_grads(local, x, experts, weights, w, cotangent)
   fn, place, _ = _sharded(sizes, preset)
-  value, grads = _value_and_grads(fn, *place(x, experts, weights, w), cotangent)
-  assert_close(value, ref_value, FP32_MODULE_RTOL, "output . cotangent")
-  for name, got, want in zip(("x", "weights", "w"), grads, ref_grads):
-    for leaf_got, leaf_want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert_close(leaf_got, leaf_want, FP32_MODULE_RTOL, f"grad {name}")
+  assert_matches(output_and_grads(fn, *place(x, experts, weights, w), cotangent),
+                 output_and_grads(local_moe, x, experts, weights, w, cotangent))
 
 
 def test_experts_receiving_no_tokens_get_zero_gradient():
   x, experts, weights, w = _inputs("uneven")
   fn, place, _ = _sharded((1, 8, 1, 1), "ep")
-  _, (_, _, grad_w) = _value_and_grads(fn, *place(x, experts, weights, w), jnp.ones_like(x))
+  _, (_, _, grad_w) = output_and_grads(fn, *place(x, experts, weights, w), jnp.ones_like(x))
   assert np.all(np.asarray(grad_w.gate_EDF)[5:] == 0)
   assert np.any(np.asarray(grad_w.gate_EDF)[0] != 0)
 

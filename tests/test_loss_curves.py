@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from meshmoe.training import train_step
 from meshmoe.config import MeshConfig, ParallelConfig
-from meshmoe.sharding.mesh import make_mesh
+from meshmoe.training import train_step
+from tests.model_steps import plan_for
 from tests.test_model_sharded import small_config
 from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
@@ -36,11 +36,11 @@ def _batches(config):
 
 def _loss_curve(config, devices) -> np.ndarray:
   config.validate(len(devices))
-  mesh = make_mesh(config.mesh, devices)
-  trainer, state = train_step.create(config, mesh)
+  plan = plan_for(config, devices)
+  trainer, state = train_step.create(config, plan)
   losses = []
   for batch in _batches(config):
-    state, metrics = trainer.train_step(state, train_step.place_batch(batch, config, mesh))
+    state, metrics = trainer.train_step(state, train_step.place_batch(batch, config, plan))
     losses.append(float(metrics["loss"]))
   return np.array(losses)
 

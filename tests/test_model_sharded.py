@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshmoe.training import model_state as step
 from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from meshmoe.sharding.mesh import make_mesh
+from meshmoe.training import model_state
+from tests.model_steps import make_loss_and_grad, plan_for, synthetic_batch
 from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
 
@@ -41,12 +41,12 @@ LAYOUTS = [
 
 
 def _loss_and_grads(config: Config, devices) -> tuple[float, dict]:
-  mesh = make_mesh(config.mesh, devices)
   config.validate(len(devices))
-  model = step.init_model(config, mesh)
+  plan = plan_for(config, devices)
+  model = model_state.init_model(config, plan)
   _, params, others = nnx.split(model, nnx.Param, ...)
-  inputs, targets = step.synthetic_batch(config, mesh, seed=7)
-  loss, _, grads = step.make_loss_and_grad(model, config, mesh)(params, others, inputs, targets)
+  inputs, targets = synthetic_batch(config, plan, seed=7)
+  loss, _, grads = make_loss_and_grad(model, config, plan)(params, others, inputs, targets)
   return float(loss), {path: np.asarray(v) for path, v in nnx.to_flat_state(grads)}
 
 
@@ -106,8 +106,8 @@ def test_capacity_model_matches_single_device(sizes, preset):
 
 @pytest.mark.slow
 def test_sigmoid_bias_ragged_dot_model_matches_single_device():
-  overrides = {"score_fn": "sigmoid", "expert_bias": True, "gemm_impl": "ragged_dot", "routed_scaling": 2.0}
-  _check_layout("sigmoid_ragged", overrides, (2, 2, 2, 1), "tp_sp")
+  overrides = {"score_fn": "sigmoid", "expert_bias": True, "routed_scaling": 2.0}
+  _check_layout("sigmoid", overrides, (2, 2, 2, 1), "tp_sp", parallel=ParallelConfig(grouped_gemm="ragged_dot"))
 
 
 # The pallas tier's data layouts (the MoE tile plan, the collective GEMMs' row blocks and concatenated
@@ -119,10 +119,10 @@ PALLAS_LAYOUTS = [((2, 4, 1, 1), "ep"), ((2, 2, 2, 1), "tp_sp"), ((1, 4, 2, 1), 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes,preset", PALLAS_LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in PALLAS_LAYOUTS])
 def test_pallas_tier_layouts_match_single_device(sizes, preset):
-  _check_layout("dropless", {}, sizes, preset, parallel=ParallelConfig(impl="pallas", kernel_backend="reference"))
+  _check_layout("dropless", {}, sizes, preset, parallel=ParallelConfig(impl="pallas", kernel_backend="collectives"))
 
 
 @pytest.mark.slow
 def test_pallas_tier_with_capacity_drops_matches_single_device():
   _check_layout("capacity", {"capacity_factor": 0.75}, (2, 4, 1, 1), "ep",
-                parallel=ParallelConfig(impl="pallas", kernel_backend="reference"))
+                parallel=ParallelConfig(impl="pallas", kernel_backend="collectives"))

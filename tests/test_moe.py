@@ -1,5 +1,9 @@
-"""The MoE block against the naive per-token reference: forward and gradients, fp32, 1e-5 relative."""
+"""The MoE block against the naive per-token reference: forward and gradients, fp32, 1e-5 relative.
 
+The block runs without a parallel plan (the platform's grouped GEMM) except in the cases that choose a
+grouped GEMM, which run under a one-device plan that says so."""
+
+import contextlib
 import dataclasses
 
 import jax
@@ -8,18 +12,29 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshmoe.config import ModelConfig, MoEConfig
+from meshmoe.config import MeshConfig, ModelConfig, MoEConfig, ParallelConfig
+from meshmoe.models.layers import swiglu_hidden
 from meshmoe.models.moe import MoEBlock
-from meshmoe.sharding import dispatch
+from meshmoe.sharding import grouped_ffn
+from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import use_plan
 from tests import moe_reference
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
 B, S, D, E = 2, 12, 16, 6
 
+# The grouped GEMM is the parallel plan's choice (parallel.grouped_gemm): these cases run under a plan.
+GEMMS = {
+    "softmax_blocked": ParallelConfig(grouped_gemm="blocked"),
+    "softmax_blocked_rows4": ParallelConfig(grouped_gemm="blocked", gemm_block_rows=4),
+    "softmax_ragged_dot": ParallelConfig(grouped_gemm="ragged_dot"),
+}
+
 CASES = {
-    "softmax_blocked": dict(gemm_impl="blocked"),
-    "softmax_blocked_rows4": dict(gemm_impl="blocked", gemm_block_rows=4),
-    "softmax_ragged_dot": dict(gemm_impl="ragged_dot"),
+    "softmax_blocked": {},
+    "softmax_blocked_rows4": {},
+    "softmax_ragged_dot": {},
     "sigmoid_scaled_unnormalised": dict(score_fn="sigmoid", normalize_top_k=False, routed_scaling=2.5),
     "sigmoid_normalised_shared": dict(score_fn="sigmoid", num_shared_experts=2, routed_scaling=2.5),
     "top1": dict(top_k=1),
@@ -44,6 +59,14 @@ def _block(moe_overrides: dict, bias) -> MoEBlock:
   if bias is not None:
     block.router.bias_E[...] = jnp.asarray(bias)
   return block
+
+
+def _running_as(case: str):
+  """The one-device plan a case's grouped GEMM asks for, or no plan at all."""
+  if case not in GEMMS:
+    return contextlib.nullcontext()
+  mesh = make_mesh(MeshConfig(data=1, preset="dp"), jax.devices()[:1])
+  return use_plan(ParallelPlan.for_mesh(mesh, "dp", GEMMS[case]))
 
 
 def _reference_params(block: MoEBlock) -> dict:
@@ -80,7 +103,8 @@ def test_moe_block_matches_per_token_reference(case, bias_name):
   graphdef, params_state, others = nnx.split(block, nnx.Param, ...)
 
   def block_loss(params_state, x):
-    y, _ = nnx.merge(graphdef, params_state, others)(x)
+    with _running_as(case):
+      y, _ = nnx.merge(graphdef, params_state, others)(x)
     return jnp.sum(y * cotangent), y
 
   (_, y), (grads_state, grad_x) = jax.value_and_grad(block_loss, argnums=(0, 1), has_aux=True)(
@@ -130,7 +154,7 @@ def test_dropless_drops_nothing_and_counts_every_assignment():
 @pytest.mark.parametrize("assignments,experts,expected", [(256, 8, 4), (4096, 8, 64), (16, 8, 1)])
 def test_block_rows_bound_padding(assignments, experts, expected):
   """Tiles as tall as possible while worst-case padding E*(rows-1) stays within 1/8 of the rows."""
-  rows = dispatch.choose_block_rows(assignments, experts)
+  rows = grouped_ffn.choose_block_rows(assignments, experts)
   assert rows == expected
   assert experts * (rows - 1) <= assignments // 8
   assert rows == 1 or experts * (2 * rows - 1) > assignments // 8  # the next power of two would not fit
@@ -142,11 +166,11 @@ def test_blocked_gemm_executes_no_dense_expert_flops():
   x = jnp.zeros((4, 64, 32), jnp.float32)
   experts = jnp.zeros((4, 64, 2), jnp.int32)
   weights = jnp.zeros((4, 64, 2), jnp.float32)
-  w = dispatch.ExpertWeights(jnp.zeros((8, 32, 64)), jnp.zeros((8, 32, 64)), jnp.zeros((8, 64, 32)))
+  w = grouped_ffn.ExpertWeights(jnp.zeros((8, 32, 64)), jnp.zeros((8, 32, 64)), jnp.zeros((8, 64, 32)))
   useful = 4 * 64 * cfg.top_k * 2 * 3 * 32 * 64
   flops = {}
   for impl in ("blocked", "ragged_dot"):
-    fn = lambda x, e, g, w, impl=impl: dispatch.moe_local(x, e, g, w, impl)
+    fn = lambda x, e, g, w, impl=impl: grouped_ffn.moe_local(x, e, g, w, swiglu_hidden, impl)
     flops[impl] = jax.jit(fn).lower(x, experts, weights, w).compile().cost_analysis()["flops"]
   assert flops["blocked"] < 1.25 * useful, flops
   assert flops["ragged_dot"] > 4 * useful, flops  # XLA:CPU computes ragged_dot densely: why we avoid it

@@ -1,7 +1,7 @@
 """The `xla` tier of expert parallelism (sharding/moe_pipeline.py): chunked dispatch -> GEMM -> combine.
 
-It must be the reference's function: equal to dispatch.moe_local on one device, forward and gradients, on
-the layouts and loads of test_expert_parallel.py. Its compiled programs must show the chunking: on CPU C
+It must be the reference's function: equal to grouped_ffn.moe_local on one device, the whole output and
+the gradients, on the layouts and loads of test_expert_parallel.py. Its compiled programs must show the chunking: on CPU C
 times the token all-to-alls, each 1/C of the buffer; compiled deviceless for 8 H100s, C times the
 ragged-all-to-alls, and a GEMM scheduled while a token exchange is in flight (never so in the reference).
 The last tests hold both tiers' GPU exchange to a backward without an all-reduce of its buffers, and the
@@ -16,32 +16,27 @@ import pytest
 from jax.sharding import NamedSharding
 
 from meshmoe.analysis import deviceless, hlo_collectives, hlo_module
-from meshmoe.config import ParallelConfig
-from meshmoe.sharding import dispatch, expert_parallel, moe_pipeline
-from meshmoe.sharding.rules import PRESETS, logical_to_spec
-from meshmoe.sharding.shardings import activation_sharding, use_rules
-from tests.test_expert_parallel import LAYOUTS, _inputs, _sharded, _value_and_grads
-from tests.tolerances import FP32_MODULE_RTOL, assert_close
+from meshmoe.config import ConfigError, ParallelConfig
+from meshmoe.models.layers import swiglu_hidden
+from meshmoe.sharding import expert_parallel, grouped_ffn, moe_pipeline
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import use_plan
+from tests.test_expert_parallel import LAYOUTS, _inputs, _sharded, assert_matches, local_moe, output_and_grads
 
 AXES = ("data", "expert", "tensor", "sequence")
 _IDS = [f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS]
 
 
-def _xla(chunks: int) -> ParallelConfig:
-  return ParallelConfig(impl="xla", moe_chunks=chunks)
+def _xla(chunks: int, grouped_gemm: str = "blocked") -> ParallelConfig:
+  return ParallelConfig(impl="xla", moe_chunks=chunks, grouped_gemm=grouped_gemm)
 
 
-def _assert_matches_one_device(sizes, preset, load, parallel, gemm_impl="blocked"):
+def _assert_matches_one_device(sizes, preset, load, parallel):
   x, experts, weights, w = _inputs(load)
   cotangent = jax.random.normal(jax.random.key(9), x.shape)
-  local = lambda x, e, g, w: dispatch.moe_local(x, e, g, w, "blocked")
-  ref_value, ref_grads = _value_and_grads(local, x, experts, weights, w, cotangent)
-  fn, place, _ = _sharded(sizes, preset, parallel, gemm_impl)
-  value, grads = _value_and_grads(fn, *place(x, experts, weights, w), cotangent)
-  assert_close(value, ref_value, FP32_MODULE_RTOL, "output . cotangent")
-  for name, got, want in zip(("x", "weights", "w"), grads, ref_grads):
-    for leaf_got, leaf_want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert_close(leaf_got, leaf_want, FP32_MODULE_RTOL, f"grad {name}")
+  fn, place, _ = _sharded(sizes, preset, parallel)
+  assert_matches(output_and_grads(fn, *place(x, experts, weights, w), cotangent),
+                 output_and_grads(local_moe, x, experts, weights, w, cotangent))
 
 
 def test_chunks_are_contiguous_clamped_and_differ_by_at_most_one_token():
@@ -62,7 +57,7 @@ def test_xla_tier_matches_one_device(sizes, preset, load, chunks):
 
 @pytest.mark.parametrize("load", ["balanced", "uneven", "dropped"])
 def test_xla_tier_with_ragged_dot_matches_one_device(load):
-  _assert_matches_one_device((2, 4, 1, 1), "ep", load, _xla(3), gemm_impl="ragged_dot")
+  _assert_matches_one_device((2, 4, 1, 1), "ep", load, _xla(3, grouped_gemm="ragged_dot"))
 
 
 def test_more_chunks_than_tokens_is_one_chunk_per_token():
@@ -70,10 +65,8 @@ def test_more_chunks_than_tokens_is_one_chunk_per_token():
 
 
 def test_unknown_tier_is_an_error():
-  x, experts, weights, w = _inputs("balanced")
-  fn, place, _ = _sharded((1, 8, 1, 1), "ep", ParallelConfig(impl="triton"))
-  with pytest.raises(ValueError, match="no 'triton' tier"):
-    fn(*place(x, experts, weights, w))
+  with pytest.raises(ConfigError, match="parallel.impl='triton' is invalid: one of 'reference', 'xla', 'pallas'"):
+    _sharded((1, 8, 1, 1), "ep", ParallelConfig(impl="triton"))
 
 
 # --- Compiled programs ----------------------------------------------------------------------------------
@@ -131,22 +124,22 @@ _SCHEDULER = {"xla_gpu_enable_latency_hiding_scheduler": True,
 
 
 def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_module.HloModule:
-  """The op compiled deviceless for 8 H100s (gemm_impl "auto": ragged_dot, exchanges ragged_all_to_all).
+  """The op compiled deviceless for 8 H100s (grouped GEMM "auto": ragged_dot; exchanges ragged_all_to_all).
   Weights are float32, as the model's parameters; `tokens_dtype` is the compute dtype."""
   mesh = deviceless.gpu_mesh(sizes, AXES)
+  plan = ParallelPlan.for_mesh(mesh, preset, parallel)
   x, experts, weights, w = _inputs("dropped")
   x = x.astype(tokens_dtype)
-  with use_rules(mesh, preset):
-    tokens = activation_sharding(("act_batch", "act_seq", None))
-  param = lambda names: NamedSharding(mesh, logical_to_spec(names, PRESETS[preset].params))
+  tokens = plan.activation_sharding(("act_batch", "act_seq", None))
+  param = lambda names: NamedSharding(mesh, plan.param_spec(names))
   abstract = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-  w = dispatch.ExpertWeights(abstract(w.gate_EDF, param(("exp", "embed", "exp_mlp"))),
-                             abstract(w.up_EDF, param(("exp", "embed", "exp_mlp"))),
-                             abstract(w.down_EFD, param(("exp", "exp_mlp", "embed"))))
+  w = grouped_ffn.ExpertWeights(abstract(w.gate_EDF, param(("exp", "embed", "exp_mlp"))),
+                                abstract(w.up_EDF, param(("exp", "embed", "exp_mlp"))),
+                                abstract(w.down_EFD, param(("exp", "exp_mlp", "embed"))))
 
   def fn(x, experts, weights, w):
-    with use_rules(mesh, preset, parallel):
-      return expert_parallel.moe_ffn(x, experts, weights, w, gemm_impl="auto")
+    with use_plan(plan):
+      return expert_parallel.moe_ffn(x, experts, weights, w, swiglu_hidden)
 
   loss = lambda x, experts, weights, w: jnp.sum(fn(x, experts, weights, w) ** 2)
   args = (abstract(x, tokens), abstract(experts, tokens), abstract(weights, tokens), w)
@@ -188,13 +181,13 @@ def test_h100_program_overlaps_a_token_exchange_with_a_gemm(sizes, preset, chunk
   this finds no overlap then."""
   ragged = ("ragged-all-to-all", "ragged-all-to-all-start")
   reference = _h100(sizes, preset, None)
-  pipelined = _h100(sizes, preset, _xla(chunks))
+  pipelined = _h100(sizes, preset, _xla(chunks, grouped_gemm="auto"))
   assert _count(reference, ragged) == 2 and _count(pipelined, ragged) == 2 * chunks
   assert _gemms_during_token_exchanges(reference) == 0  # dispatch -> GEMM -> return, each waiting
   assert _gemms_during_token_exchanges(pipelined) > 0
 
 
-@pytest.mark.parametrize("parallel", [None, _xla(2)], ids=["reference", "xla"])
+@pytest.mark.parametrize("parallel", [None, _xla(2, grouped_gemm="auto")], ids=["reference", "xla"])
 def test_h100_backward_sums_no_exchange_buffer_over_devices(parallel):
   """ragged_all_to_all types its result like its `output` operand; given an invariant jnp.zeros, the result
   passed for one value on every device and the backward psum-ed its cotangent over all devices (wrong
@@ -214,4 +207,4 @@ def test_h100_expert_gradients_are_summed_in_the_compute_dtype_once():
 
   reference = all_reduce_bytes(None)
   assert reference > 0
-  assert all_reduce_bytes(_xla(2)) == pytest.approx(reference)
+  assert all_reduce_bytes(_xla(2, grouped_gemm="auto")) == pytest.approx(reference)

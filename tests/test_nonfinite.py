@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 
 from experiments.configs import tiny_moe
+from meshmoe.config import MeshConfig, ResilienceConfig
 from meshmoe.data import pipeline as data_lib
 from meshmoe.runtime import nonfinite
-from meshmoe.training import model_state as step_lib, trainer
-from meshmoe.config import MeshConfig, ResilienceConfig
 from meshmoe.runtime.nonfinite import NonFiniteError
-from meshmoe.sharding.mesh import make_mesh
+from meshmoe.training import model_state, trainer
 from tests import runs
+from tests.model_steps import plan_for
 from tests.runs import REPO
 from tests.test_model_sharded import small_config
 
@@ -25,7 +25,7 @@ from tests.test_model_sharded import small_config
 def _monitor_and_params(policy="halt"):
   config = small_config()  # layer 0 dense, layer 1 MoE
   config.mesh = MeshConfig(data=2, expert=4, preset="ep")
-  _, params, _ = nnx.split(step_lib.init_model(config, make_mesh(config.mesh)), nnx.Param, ...)
+  _, params, _ = nnx.split(model_state.init_model(config, plan_for(config)), nnx.Param, ...)
   return nonfinite.Monitor(ResilienceConfig(nan_policy=policy), config.model, params), params
 
 

@@ -11,9 +11,12 @@ from flax import nnx
 
 from meshmoe.analysis import deviceless, hlo_collectives
 from meshmoe.config import MeshConfig
-from meshmoe.models.decoder import Transformer, lm_loss
-from meshmoe.sharding import dispatch, shardings
+from meshmoe.models.decoder import Transformer, combine_loss_terms
+from meshmoe.models.layers import swiglu_hidden
+from meshmoe.sharding import grouped_ffn
 from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.training import train_step
 from tests.test_model_sharded import small_config
 
 LAYOUTS = [((1, 8, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"), ((1, 4, 2, 1), "megascale")]
@@ -37,19 +40,20 @@ def _token_set_collectives(hlo: str, config) -> list[str]:
 
 
 def _compiled_loss_and_grad(config, mesh) -> str:
-  """HLO text of d(loss)/d(params), from abstract parameters and batch placed on `mesh`."""
+  """HLO text of d(loss)/d(params) (the train step's loss), from abstract parameters and batch on `mesh`."""
+  plan = ParallelPlan.build(config, mesh)
   abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
   graphdef, params, others = nnx.split(abstract, nnx.Param, ...)
-  param_shardings = shardings.param_shardings(params, mesh, config.mesh.preset)
   is_variable = lambda x: isinstance(x, nnx.Variable)
   params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), params,
-                        param_shardings, is_leaf=is_variable)
-  batch = shardings.batch_sharding(mesh, config.mesh.preset)
-  tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len), jnp.int32, sharding=batch)
+                        plan.param_shardings(params), is_leaf=is_variable)
+  tokens = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len), jnp.int32,
+                                sharding=plan.batch_sharding())
 
   def loss(params, others, inputs, targets):
-    with shardings.use_rules(mesh, config.mesh.preset, config.parallel):
-      return lm_loss(nnx.merge(graphdef, params, others), inputs, targets)[0]
+    batch = {"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)}
+    terms = train_step.loss_terms(graphdef, params, others, batch, plan)
+    return combine_loss_terms(terms, config.model.moe, terms["tokens"], num_microbatches=1)
 
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   replicated = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)), others,
@@ -89,8 +93,8 @@ def test_the_detector_finds_gspmds_gather_of_the_tokens():
   x = jax.ShapeDtypeStruct((b, s, d), jnp.float32, sharding=split)
   experts = jax.ShapeDtypeStruct((b, s, k), jnp.int32, sharding=split)
   weights = jax.ShapeDtypeStruct((b, s, k), jnp.float32, sharding=split)
-  w = dispatch.ExpertWeights(*(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=whole)
-                               for shape in [(8, d, 16), (8, d, 16), (8, 16, d)]))
-  global_view = lambda x, e, g, w: dispatch.moe_local(x, e, g, w, "blocked")
+  w = grouped_ffn.ExpertWeights(*(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=whole)
+                                  for shape in [(8, d, 16), (8, d, 16), (8, 16, d)]))
+  global_view = lambda x, e, g, w: grouped_ffn.moe_local(x, e, g, w, swiglu_hidden, "blocked")
   hlo = deviceless.compile_for_analysis(jax.jit(global_view).lower(x, experts, weights, w)).as_text()
   assert _token_set_collectives(hlo, config)

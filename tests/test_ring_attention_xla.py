@@ -18,7 +18,8 @@ from meshmoe.analysis import deviceless
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.sharding import context_parallel as cp
 from meshmoe.sharding.mesh import make_mesh
-from meshmoe.sharding.shardings import use_rules
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import use_plan
 from tests.test_context_parallel import (_FAST_COMPILE, LAYOUTS, _count, _mesh, _qkv, _reference_and_grads,
                                          _spec)
 from tests.test_tensor_parallel_xla import overlapped_transfers
@@ -27,12 +28,12 @@ from tests.tolerances import FP32_MODULE_RTOL, assert_close
 B, H = 2, 8
 
 
-def _sharded_fn(mesh, batch_axes, seq_axes, kind="ring", impl="xla"):
+def _sharded_fn(mesh, batch_axes, seq_axes, implementation="zigzag_ring"):
   """q, k, v, positions (zigzag order, global) -> output (zigzag order, global), by shard_map."""
   spec = _spec(batch_axes, seq_axes)
 
   def attend(q, k, v, pos):
-    return cp.sharded_attention(q, k, v, pos, kind=kind, axis_names=seq_axes, impl=impl)
+    return cp.sharded_attention(q, k, v, pos, implementation=implementation, axis_names=seq_axes)
 
   return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)
 
@@ -63,11 +64,11 @@ def test_xla_ring_matches_reference(shape, names, batch_axes, seq_axes):
     assert_close(grad[:, inverse], ref_grad, FP32_MODULE_RTOL, f"xla ring d{name}")
 
 
-def _flops(kind, impl, n):
+def _flops(implementation, n):
   mesh = _mesh((n,), ("seq",))
   q, k, v, _ = _qkv(1, 16 * n, 4, 4, 16)
   pos = jnp.broadcast_to(jnp.asarray(cp.zigzag_order(16 * n, n)), (1, 16 * n))
-  compiled = jax.jit(_sharded_fn(mesh, (), ("seq",), kind, impl)).lower(q, k, v, pos).compile()
+  compiled = jax.jit(_sharded_fn(mesh, (), ("seq",), implementation)).lower(q, k, v, pos).compile()
   cost = compiled.cost_analysis()
   return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
@@ -76,13 +77,13 @@ def _flops(kind, impl, n):
 def test_xla_ring_computes_only_the_causal_blocks(n):
   # 2n+1 quarter blocks per device like the all-gather kind, against the reference ring's n dense blocks
   # (4n quarters): 9/16 at n = 4, 17/32 at n = 8.
-  ring_xla, allgather, ring_reference = (_flops(kind, impl, n) for kind, impl in
-                                         (("ring", "xla"), ("allgather", "reference"), ("ring", "reference")))
+  ring_xla, allgather, ring_reference = (_flops(implementation, n) for implementation in
+                                         ("zigzag_ring", "allgather", "ring"))
   assert abs(ring_xla / allgather - 1) < 0.1, (ring_xla, allgather)
   assert ring_xla < 0.65 * ring_reference, (ring_xla, ring_reference)
 
 
-def test_attention_op_reads_the_tier_from_the_config():
+def test_attention_op_runs_what_the_plan_says_for_the_tier():
   # The op models call, under tp_sp with the sequence over 4 `sequence` devices: the xla ring traces 2n+1
   # blocks of two matmuls each, the reference ring n; both n-1 transfers of (k, v, positions).
   mesh = make_mesh(MeshConfig(data=1, expert=2, tensor=1, sequence=4, preset="tp_sp"), jax.devices())
@@ -90,9 +91,11 @@ def test_attention_op_reads_the_tier_from_the_config():
   pos = jnp.broadcast_to(jnp.asarray(cp.zigzag_order(32, 4)), (2, 32))
 
   def jaxpr(impl):
-    # A fresh function each time: tracing caches by function and shapes, and the rules are not part of
-    # that key.
-    with use_rules(mesh, "tp_sp", ParallelConfig(impl=impl, attention="ring")):
+    plan = ParallelPlan.for_mesh(mesh, "tp_sp", ParallelConfig(impl=impl, attention="ring"))
+    assert plan.attention().implementation == {"xla": "zigzag_ring", "reference": "ring"}[impl]
+    # A fresh function each time: tracing caches by function and shapes, and the plan is not part of that
+    # key.
+    with use_plan(plan):
       return jax.make_jaxpr(lambda *args: cp.attention(*args))(q, k, v, pos).jaxpr
 
   xla, reference = jaxpr("xla"), jaxpr("reference")
@@ -101,31 +104,23 @@ def test_attention_op_reads_the_tier_from_the_config():
 
 
 @pytest.mark.parametrize("kind", ["allgather", "ulysses"])
-def test_other_kinds_are_the_reference_under_xla(kind):
-  mesh = _mesh((4,), ("seq",))
-  q, k, v, _ = _qkv(1, 16, 4, 4, H)
-  pos = jnp.broadcast_to(jnp.asarray(cp.zigzag_order(16, 4)), (1, 16))
-  jaxprs = [str(jax.make_jaxpr(_sharded_fn(mesh, (), ("seq",), kind, impl))(q, k, v, pos))
-            for impl in ("reference", "xla")]
-  assert jaxprs[0] == jaxprs[1]
+def test_other_kinds_run_the_same_implementation_in_every_tier(kind):
+  mesh = make_mesh(MeshConfig(data=1, expert=2, tensor=1, sequence=4, preset="tp_sp"), jax.devices())
+  chosen = {ParallelPlan.for_mesh(mesh, "tp_sp", ParallelConfig(impl=impl, attention=kind)).attention()
+            for impl in ("reference", "xla", "pallas")}
+  assert {choice.implementation for choice in chosen} == {kind}
 
 
-def test_sharded_attention_rejects_unknown_tier():
-  q, k, v, _ = _qkv(1, 8, 4, 2, H)
-  with pytest.raises(ValueError, match="no 'triton' tier"):
-    cp.sharded_attention(q, k, v, jnp.arange(8)[None], kind="ring", axis_names=(), impl="triton")
-
-
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-def test_h100_program_overlaps_the_transfers_with_matmuls(impl):
-  # Compiled deviceless for 8 H100s, forward and backward: the xla ring has a matmul between the start and
-  # the done of every collective-permute. The reference ring's independent steps let XLA merge its score
+@pytest.mark.parametrize("implementation", ["ring", "zigzag_ring"])
+def test_h100_program_overlaps_the_transfers_with_matmuls(implementation):
+  # Compiled deviceless for 8 H100s, forward and backward: the zigzag ring (xla tier) has a matmul between
+  # the start and the done of every collective-permute. The plain ring's independent steps let XLA merge its score
   # matmuls across steps, so that most of its transfers overlap nothing (seen: 22 of 32).
   mesh = deviceless.gpu_mesh((8,), ("seq",))
   sharding = NamedSharding(mesh, P(None, "seq"))
   q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16, sharding=sharding)
   pos = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=sharding)
-  attend = _sharded_fn(mesh, (), ("seq",), impl=impl)
+  attend = _sharded_fn(mesh, (), ("seq",), implementation)
 
   def forward_and_grads(q, k, v, pos):
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, pos), q, k, v)
@@ -133,7 +128,7 @@ def test_h100_program_overlaps_the_transfers_with_matmuls(impl):
 
   total, exposed = overlapped_transfers(deviceless.compile_for_analysis(jax.jit(forward_and_grads).lower(q, q, q, pos)).as_text())
   assert total >= 2 * 7, total  # 7 transfers of (k, v, positions) forward, 7 of (dk, dv) backward
-  if impl == "xla":
+  if implementation == "zigzag_ring":
     assert not exposed, exposed
   else:
     assert len(exposed) > total // 2, exposed

@@ -10,12 +10,12 @@ import pathlib
 
 from flax import nnx
 
-from meshmoe.training import model_state as step
 from meshmoe.config import MeshConfig
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import rules
-from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.shardings import partition_specs
+from meshmoe.training import model_state
+from tests.model_steps import plan_for
 from tests.test_model_sharded import small_config
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "param_specs.json"
@@ -55,8 +55,7 @@ def test_partition_specs_match_golden():
 def test_initialised_parameters_carry_the_rule_shardings():
   config = small_config()
   config.mesh = MeshConfig(data=2, expert=2, tensor=2, preset="tp_sp")
-  mesh = make_mesh(config.mesh)
-  model = step.init_model(config, mesh)
+  model = model_state.init_model(config, plan_for(config))
   expected = _snapshot()["tp_sp"]["params"]
   for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     key = "/".join(map(str, path))

@@ -22,8 +22,8 @@ from meshmoe.analysis import deviceless
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.sharding import collective_matmul, tensor_parallel
 from meshmoe.sharding.mesh import make_mesh
-from meshmoe.sharding.rules import PRESETS, logical_to_spec
-from meshmoe.sharding.shardings import activation_sharding, use_rules
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import use_plan
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
 B, S, D, N, H, F = 4, 16, 8, 8, 4, 16
@@ -79,21 +79,20 @@ def _one_device():
 
 
 def _sharded(sizes, preset, impl):
-  """_block under the rules of `preset` on the layout, and x and the weights placed as the rules say."""
+  """_block under the plan of `preset` and tier `impl` on the layout, and x and the weights placed as the
+  plan says."""
   data, expert, tensor, sequence = sizes
   mesh = make_mesh(MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset),
                    jax.devices())
-  parallel = ParallelConfig(impl=impl)
+  plan = ParallelPlan.for_mesh(mesh, preset, ParallelConfig(impl=impl))
 
   def block(*args):
-    with use_rules(mesh, preset, parallel):
+    with use_plan(plan):
       return _block(*args)
 
-  with use_rules(mesh, preset, parallel):
-    x_sharding = activation_sharding(("act_batch", "act_seq", None))
+  x_sharding = plan.activation_sharding(("act_batch", "act_seq", None))
   x, weights = _inputs()
-  weights = [jax.device_put(w, NamedSharding(mesh, logical_to_spec(names, PRESETS[preset].params)))
-             for w, names in zip(weights, NAMES)]
+  weights = [jax.device_put(w, NamedSharding(mesh, plan.param_spec(names))) for w, names in zip(weights, NAMES)]
   return block, jax.device_put(x, x_sharding), weights
 
 
@@ -205,17 +204,15 @@ def overlapped_transfers(hlo: str) -> tuple[int, list[str]]:
 def test_h100_program_overlaps_the_transfers_with_matmuls():
   mesh = deviceless.gpu_mesh((1, 1, 8, 1), AXES)
   b, s, d = 2, 1024, 1024
-  parallel = ParallelConfig(impl="xla")
-  with use_rules(mesh, "tp_sp", parallel):
-    x_sharding = activation_sharding(("act_batch", "act_seq", None))
-  x = jax.ShapeDtypeStruct((b, s, d), jnp.bfloat16, sharding=x_sharding)
+  plan = ParallelPlan.for_mesh(mesh, "tp_sp", ParallelConfig(impl="xla"))
+  x = jax.ShapeDtypeStruct((b, s, d), jnp.bfloat16, sharding=plan.activation_sharding(("act_batch", "act_seq", None)))
   shapes = [(d, N, 32), (d, N, 32), (d, N, 32), (N, 32, d), (d, 4 * d), (d, 4 * d), (4 * d, d)]
-  placements = [NamedSharding(mesh, logical_to_spec(names, PRESETS["tp_sp"].params)) for names in NAMES]
+  placements = [NamedSharding(mesh, plan.param_spec(names)) for names in NAMES]
   weights = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=placement)
              for shape, placement in zip(shapes, placements)]
 
   def forward_and_grads(x, weights):
-    with use_rules(mesh, "tp_sp", parallel):
+    with use_plan(plan):
       outs, vjp = jax.vjp(lambda x, weights: _block(x, *weights), x, weights)
     return outs, vjp(outs)
 

@@ -50,6 +50,9 @@ def test_run_writes_everything_and_the_loss_falls(reference_run):
   assert (uninterrupted / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "--- greedy ---" in (uninterrupted / "sample.txt").read_text()
   assert list((uninterrupted / "profile").rglob("*.xplane.pb")), "no profiler trace for steps 2-3"
+  plan = json.loads((uninterrupted / "plan.json").read_text())  # what ran, op by op
+  assert plan["preset"] == "ep" and plan["ops"]["moe"]["implementation"] == "local"
+  assert plan["ops"]["moe"]["grouped_gemm"] == "blocked"  # "auto" on CPU
 
 
 @pytest.mark.slow

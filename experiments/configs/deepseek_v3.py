@@ -69,7 +69,7 @@ def get_config() -> Config:
           moe=MoEConfig(
               num_experts=256, top_k=8, expert_mlp_dim=2048, num_shared_experts=1, score_fn="sigmoid",
               normalize_top_k=True, routed_scaling=2.5, expert_bias=True, expert_bias_update_rate=1e-3,
-              aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None, gemm_impl="auto"),
+              aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
       ),
       mesh=MeshConfig(data=1, expert=-1, tensor=8, sequence=1, preset="tp_sp"),
       optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,

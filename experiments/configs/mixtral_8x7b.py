@@ -56,7 +56,7 @@ def get_config() -> Config:
           moe=MoEConfig(
               num_experts=8, top_k=2, expert_mlp_dim=14336, num_shared_experts=0, score_fn="softmax",
               normalize_top_k=True, routed_scaling=1.0, expert_bias=False, aux_loss_weight=0.04,
-              z_loss_weight=0.0, capacity_factor=None, gemm_impl="auto"),
+              z_loss_weight=0.0, capacity_factor=None),
       ),
       mesh=MeshConfig(data=-1, expert=8, tensor=4, sequence=1, preset="megascale"),
       parallel=ParallelConfig(impl="pallas"),

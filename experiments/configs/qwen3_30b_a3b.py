@@ -62,7 +62,7 @@ def get_config() -> Config:
           moe=MoEConfig(
               num_experts=128, top_k=8, expert_mlp_dim=768, num_shared_experts=0, score_fn="softmax",
               normalize_top_k=True, routed_scaling=1.0, expert_bias=False, aux_loss_weight=0.008,
-              z_loss_weight=0.0, capacity_factor=None, gemm_impl="auto"),
+              z_loss_weight=0.0, capacity_factor=None),
       ),
       mesh=MeshConfig(data=-1, expert=32, tensor=1, sequence=1, preset="megascale"),
       parallel=ParallelConfig(impl="pallas"),

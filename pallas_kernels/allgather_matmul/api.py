@@ -3,7 +3,7 @@
   out_PMN = allgather_matmul(x_MK, w_KN, axes, backend=...)   # inside jax.shard_map over `axes`
 
 out_PMN[j] = (device j's x_MK) @ w_KN for every device j of the ring (reference.py). Backends:
-"reference" (all_gather then einsum, plain autodiff), "tpu_interpret" (the TPU-style twin in Pallas' TPU
+"collectives" (all_gather then einsum, plain autodiff), "tpu_interpret" (the TPU-style twin in Pallas' TPU
 interpreter, CPU devices) and "mosaic_gpu" (the Hopper kernel; `unsupported` says which shapes it takes).
 The fused backends share one custom gradient (flux_backends.py): dx is the GEMM + reduce-scatter kernel
 of dout_PMN with w_KN transposed, dw the local product of the gathered blocks (saved by the forward
@@ -31,7 +31,7 @@ def allgather_matmul(x_MK: jax.Array, w_KN: jax.Array, axes, *, backend: str,
                      tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
-  if backend == "reference":
+  if backend == "collectives":
     return reference.allgather_matmul(x_MK, w_KN, axes)
   return _fused(Options(backend, tiles, num_sms), axes, x_MK, w_KN)
 

@@ -3,7 +3,7 @@
   dw_EDF = weight_gradient(x_RD, dy_RF, rows_E, like, tile_rows=TM, backend=...)
 
 For each expert e, its contiguous rows of x transposed times theirs of dy (reference.py). Backends:
-"reference" and "tpu_interpret" use XLA's transposed ragged dot (no TPU-style twin: nothing
+"collectives" and "tpu_interpret" use XLA's transposed ragged dot (no TPU-style twin: nothing
 communicates); "mosaic_gpu" the Hopper kernel, which reads only each expert's own rows. The MoE kernels'
 backward passes (moe_backends.py) call this for the expert weights' gradients.
 

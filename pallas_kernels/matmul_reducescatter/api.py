@@ -30,7 +30,7 @@ def matmul_reducescatter(y_PMK: jax.Array, w_KN: jax.Array, axes, *, backend: st
                          num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
-  if backend == "reference":
+  if backend == "collectives":
     return reference.matmul_reducescatter(y_PMK, w_KN, axes)
   return _fused(Options(backend, tiles, num_sms), axes, y_PMK, w_KN)
 

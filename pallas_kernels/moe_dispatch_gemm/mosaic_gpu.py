@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from meshmoe.pallas_kernels import mosaic_tiles, ring
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from meshmoe.pallas_kernels.ring import Axes
 
@@ -41,7 +41,7 @@ def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tile
   return mosaic_tiles.unsupported(dtype, shapes, tiles)
 
 
-def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: Plan, axes: Axes, *,
+def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *,
                   tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS,
                   interpret=None) -> tuple[jax.Array, ...]:
   """(xr_RD, *products), as reference.dispatch_gemm; the plan's tile rows must be tiles.block_m.

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.ring import Axes
 
 
-def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: Plan,
+def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan,
                   axes: Axes) -> tuple[jax.Array, ...]:
   """(xr_RD, *products): see the module docstring. weights_i: [E_l, D, F_i]."""
   s_tiles, r_tiles = plan.send_dst.shape[0], plan.recv_expert.shape[0]

@@ -16,13 +16,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from meshmoe.pallas_kernels import ring
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.ring import Axes
 
 _SCALARS = ("send_dst", "send_dst_tile", "num_send", "recv_expert", "num_recv")
 
 
-def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: Plan, axes: Axes,
+def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes: Axes,
                   interpret=ring.INTERPRET_PARAMS) -> tuple[jax.Array, ...]:
   """(xr_RD, *products), as reference.dispatch_gemm. weights_i: [E_l, D, F_i]."""
   p, n = ring.size(axes), len(weights)

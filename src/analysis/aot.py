@@ -10,8 +10,10 @@ optimizer; every micro-batch) against abstract state, and reads the compiled pro
 - collectives: every collective with its bytes per device per step and whether it overlaps independent
   compute (hlo_collectives.py), next to the cost model's bytes per kind; `overlap_fraction` is the bytes
   of overlapped collectives over all collective bytes.
-The JSON is DESIGN.md's contract: `memory.peak_bytes_per_device`, `flops.compiled`, `flops.model`,
-`collectives` ([{kind, bytes, overlapped}]) and `overlap_fraction`, plus the detail above.
+The JSON holds the contract other tools read (ARCHITECTURE.md): `memory.peak_bytes_per_device`,
+`flops.compiled`, `flops.model`, `collectives` ([{kind, bytes, overlapped}]) and `overlap_fraction`, plus
+the detail above and `plan`, the parallel plan the step was compiled with (which implementation each op
+ran, and why where it fell back).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from meshmoe.analysis import cost_collectives, cost_kernels, cost_model, devicel
 from meshmoe.training import train_step
 from meshmoe.config import MESH_AXES, Config
 from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import ParallelPlan
 
 TARGETS = {"h100": "h100_sxm", "cpu": None}
 _REMAT_RECOMPUTE = {"none": 1.0, "dots": 1.0, "full": 4.0 / 3.0}  # forward again: 4 passes instead of 3
@@ -36,9 +39,10 @@ _REMAT_RECOMPUTE = {"none": 1.0, "dots": 1.0, "full": 4.0 / 3.0}  # forward agai
 class Report:
   data: dict[str, Any]  # the JSON report
   hlo_text: str  # the compiled, scheduled module
+  plan_table: str  # what ran, op by op (ParallelPlan.table)
 
   def table(self) -> str:
-    return format_table(self.data)
+    return self.plan_table + "\n\n" + format_table(self.data)
 
 
 def device_memory_bytes(target: str) -> float | None:
@@ -64,14 +68,14 @@ def target_mesh(config: Config, target: str, num_devices: int, num_hosts: int) -
 def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -> Report:
   config.validate(num_devices)
   mesh = target_mesh(config, target, num_devices, num_hosts)
-  trainer, state = train_step.create_abstract(config, mesh)
+  plan = ParallelPlan.build(config, mesh)
+  trainer, state = train_step.create_abstract(config, plan)
   start = time.perf_counter()
-  lowered = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh))
+  lowered = trainer.train_step.lower(state, train_step.abstract_batch(config, plan))
   compiled = lowered.compile() if target == "cpu" else deviceless.compile_for_analysis(lowered)
   compile_s = time.perf_counter() - start
   module = hlo_module.parse(compiled.as_text())
-  platform = "cpu" if target == "cpu" else "gpu"
-  cost = cost_model.step_cost(config, num_devices, platform)
+  cost = cost_model.step_cost(config, plan)
   found = hlo_collectives.collectives(module, num_devices)
   return Report({
       "config": {"target": target, "devices": num_devices, "hosts": num_hosts,
@@ -80,16 +84,17 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
                  "remat": config.model.remat, "dtype": config.model.dtype,
                  "global_batch": config.train.global_batch_size, "seq_len": config.train.seq_len,
                  "grad_accum_steps": config.train.grad_accum_steps},
+      "plan": plan.to_json(),
       "compile_seconds": round(compile_s, 2),
       "memory": _memory(compiled, cost, target),
-      "flops": _flops(module, config, cost, num_devices, platform),
+      "flops": _flops(module, config, plan, cost),
       "collectives": [{"kind": c.kind, "bytes": c.bytes, "overlapped": c.overlapped, "group_size": c.group_size,
                        "count": c.count} for c in found if c.bytes > 0],
       "collective_bytes_by_kind": _bytes_by_kind(found, cost),
       "overlap_fraction": hlo_collectives.overlap_fraction(found),
       "fused_kernels": _fused_kernels(found, cost),
       "loops_with_unknown_trip_count": module.unknown_trip_counts,
-  }, compiled.as_text())
+  }, compiled.as_text(), plan.table())
 
 
 def _memory(compiled, cost, target: str) -> dict[str, Any]:
@@ -102,14 +107,14 @@ def _memory(compiled, cost, target: str) -> dict[str, Any]:
           "cost_model": dataclasses.asdict(cost.memory) | {"total": cost.memory.total}}
 
 
-def _flops(module, config: Config, cost, num_devices: int, platform: str) -> dict[str, Any]:
+def _flops(module, config: Config, plan: ParallelPlan, cost) -> dict[str, Any]:
   """Matmul FLOPs per device. `compiled` counts what the HLO shows; the `pallas` tier's kernels are custom
   calls XLA cannot see into, so their GEMMs (`in_kernels`, the cost model's accounting) are added to it in
   the ratios."""
   in_hlo = hlo_flops.matmul_flops(module)
-  in_kernels = cost_model.flops_in_kernels(config, num_devices, platform)
+  in_kernels = cost_model.flops_in_kernels(config, plan)
   compiled = in_hlo + in_kernels
-  model = cost.model_flops / num_devices
+  model = cost.model_flops / plan.mesh.size
   with_remat = model * _REMAT_RECOMPUTE[config.model.remat]
   executed = cost.executed_flops_per_device.total
   return {"compiled": compiled, "in_hlo": in_hlo, "in_kernels": in_kernels, "model": model,

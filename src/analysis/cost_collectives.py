@@ -1,7 +1,8 @@
 """Cost model, communication part: the bytes each collective of a training step moves, per device.
 
-Derived from the same rules table and the same per-op algorithms as the parallel ops (sharding/), so a
-change in either shows up as a mismatch against the compiled HLO (tests/test_cost_model.py). Bytes are
+Derived from the parallel plan the ops run by (meshmoe.sharding.plan: its rules, layouts and each op's
+implementation) and the same per-op algorithms as the parallel ops (sharding/), so a change in either
+shows up as a mismatch against the compiled HLO (tests/test_cost_model.py). Bytes are
 counted as in hlo_collectives.py (e.g. an all-gather moves (g-1)/g of its result). Per layer and
 micro-batch, forward then backward (the transpose of each op: all-gather <-> reduce-scatter, all-to-all
 <-> all-to-all, psum <-> nothing); recomputation under remat repeats the forward's collectives.
@@ -20,14 +21,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
 from meshmoe.analysis import cost_kernels
-from meshmoe.config import Config, resolve_mesh_sizes
 from meshmoe.analysis.hlo_collectives import moved_bytes
-from meshmoe.sharding.rules import get_preset, logical_to_spec
+from meshmoe.config import Config
+from meshmoe.sharding import moe_pipeline
+from meshmoe.sharding.plan import ParallelPlan, projection_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,32 +41,35 @@ class CollectiveCost:
 
 
 class _Layout:
-  """Mesh-axis arithmetic for one config: which axes split what, and local sizes."""
+  """Mesh-axis arithmetic for one config and plan: which axes split what, and local sizes."""
 
-  def __init__(self, config: Config, num_devices: int, platform: str):
-    self.config, self.sizes = config, resolve_mesh_sizes(config.mesh, num_devices)
-    self.platform = platform
-    self.num_devices = num_devices
-    self.preset = get_preset(config.mesh.preset)
+  def __init__(self, config: Config, plan: ParallelPlan):
+    self.config, self.plan = config, plan
 
-  def axes(self, logical, rules) -> list[tuple[str, ...]]:
-    spec = logical_to_spec(logical, rules)
-    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+  def act(self, *logical) -> list[tuple[str, ...]]:
+    return _dims(self.plan.activation_spec(logical))
 
-  def act(self, *logical):
-    return self.axes(logical, self.preset.activations)
+  def weight(self, *logical) -> list[tuple[str, ...]]:
+    """Placement inside the parallel ops (`embed` whole)."""
+    return _dims(self.plan.weight_spec(logical))
 
-  def weight(self, *logical):
-    return self.axes([None if n == "embed" else n for n in logical], self.preset.params)
+  def stored(self, *logical) -> list[tuple[str, ...]]:
+    return _dims(self.plan.param_spec(logical))
+
+  def updated(self, *logical) -> list[tuple[str, ...]]:
+    return _dims(self.plan.optimizer_spec(logical))
 
   def size(self, axes) -> int:
-    return math.prod(self.sizes[a] for a in axes)
+    return self.plan.axis_size(axes)
 
 
-def collective_costs(config: Config, num_devices: int, platform: str = "cpu") -> list[CollectiveCost]:
-  """Every collective of one training step (all micro-batches), per device; `platform` "cpu" or "gpu"
-  (expert parallelism exchanges tokens with a padded all-to-all on CPU, ragged_all_to_all elsewhere)."""
-  lay = _Layout(config, num_devices, platform)
+def _dims(spec) -> list[tuple[str, ...]]:
+  return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
+def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]:
+  """Every collective of one training step (all micro-batches), per device, as the plan runs the ops."""
+  lay = _Layout(config, plan)
   m, moe, t = config.model, config.model.moe, config.train
   c = jnp.dtype(m.dtype).itemsize
   micro = t.global_batch_size // t.grad_accum_steps
@@ -87,43 +91,41 @@ def collective_costs(config: Config, num_devices: int, platform: str = "cpu") ->
                "shared_experts": num_moe if moe.num_shared_experts else 0, "moe": num_moe,
                "gradients": 1}
 
-  def projections(op, weights_in):
-    """weights_in: (logical names, global width) of the block's in-projections; the first one's width is
-    the out-projection's contraction."""
-    tp_axes = tuple(dict.fromkeys(a for names, _ in weights_in for dim in lay.weight(*names) for a in dim))
-    gather = tuple(a for a in seq_axes if a in tp_axes)
+  for block, weights_in, _ in projection_blocks(config):
+    tp_axes, gather = plan.projection_axes([names for names, _ in weights_in])
     g = lay.size(gather)
-    if _projection_kernels(lay, weights_in):
-      nbytes = cost_kernels.projection_bytes(g, b_local * s_local, m.embed_dim, c)  # every direction the same
-      for forward in (True, False):  # project_in and project_out, each with its dual kernel backward
-        add(op, "fused all-gather", g, nbytes, forward)
-        add(op, "fused reduce-scatter", g, nbytes, forward)
-    elif lay.config.parallel.impl in ("xla", "pallas"):  # rings: g-1 residual blocks per device and direction
-      for forward in (True, False):  # (collective_matmul.py: project_in, project_out, their transposes)
-        for _ in range(2 * (g - 1)):
-          add(op, "collective-permute", g, residual, forward)
-    else:
-      add(op, "all-gather", g, residual * g, True)  # project_in
-      add(op, "reduce-scatter", g, residual, False)  # its transpose
-      add(op, "reduce-scatter", g, residual, True)  # project_out
-      add(op, "all-gather", g, residual * g, False)
+    for direction in ("project_in", "project_out"):
+      _projection(add, block, direction, plan.ops[f"{block}.{direction}"], g, residual,
+                  cost_kernels.projection_bytes(g, b_local * s_local, m.embed_dim, c))
     r = lay.size(tuple(a for a in tp_axes if a not in gather))
-    add(op, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
-    add(op, "all-reduce", r, residual, False)  # project_in's input gradient over the same axes
-
-  blocks = _projection_blocks(config)
-  projections("attention", blocks["attention"])
+    add(block, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
+    add(block, "all-reduce", r, residual, False)  # project_in's input gradient over the same axes
   _attention(lay, add, c, micro)
-  if m.num_dense_layers:
-    projections("dense_mlp", blocks["dense_mlp"])
   if num_moe:
-    if moe.num_shared_experts:
-      projections("shared_experts", blocks["shared_experts"])
-    _moe(lay, add, c, micro, residual, batch_axes, seq_axes)
+    _moe(lay, add, c, residual)
   _weight_gradients(lay, costs)
   _weight_gathers(lay, costs)
   _embedding_lookup(lay, costs, micro, batch_axes, seq_axes)
   return costs
+
+
+def _projection(add, block: str, direction: str, choice, g: int, residual: int, kernel_bytes: float) -> None:
+  """One direction of a tensor-parallel block, forward and backward (each kernel's or collective's
+  transpose is the other direction's: all-gather <-> reduce-scatter)."""
+  gathers = direction == "project_in"
+  if cost_kernels.in_custom_calls(choice):  # the fused kernel, and its dual as the backward
+    first, second = ("fused all-gather", "fused reduce-scatter")[::1 if gathers else -1]
+    add(block, first, g, kernel_bytes, True)
+    add(block, second, g, kernel_bytes, False)
+  elif choice.implementation == "ring":  # g-1 residual blocks per device, forward and backward
+    for forward in (True, False):
+      for _ in range(g - 1):
+        add(block, "collective-permute", g, residual, forward)
+  elif choice.implementation in ("collectives", "fused"):  # "fused" on the kernels' plain-XLA backend
+    gathered, scattered = ("all-gather", residual * g), ("reduce-scatter", residual)
+    first, second = (gathered, scattered) if gathers else (scattered, gathered)
+    add(block, first[0], g, first[1], True)
+    add(block, second[0], g, second[1], False)
 
 
 def _attention(lay: _Layout, add, c: int, micro: int) -> None:
@@ -135,84 +137,44 @@ def _attention(lay: _Layout, add, c: int, micro: int) -> None:
   kv = rows * m.num_kv_heads // lay.size(kv_heads) * m.head_dim * c  # one of K or V, this device
   q = rows * m.num_heads // lay.size(heads) * m.head_dim * c
   positions = rows * 4
-  kind = lay.config.parallel.attention
-  if kind == "allgather":
+  implementation = lay.plan.ops["attention"].implementation
+  if implementation == "allgather":
     add("attention", "all-gather", n, 2 * kv * n, True)
     add("attention", "all-gather", n, positions * n, True)
     add("attention", "reduce-scatter", n, 2 * kv, False)
-  elif kind == "ring":
+  elif implementation in ("ring", "zigzag_ring"):
     for _ in range(n - 1):
       add("attention", "collective-permute", n, 2 * kv + positions, True)
       add("attention", "collective-permute", n, 2 * kv, False)
-  else:  # ulysses: q, k, v to head-split and the output back; the backward mirrors them
+  elif implementation == "ulysses":  # q, k, v to head-split and the output back; the backward mirrors them
     for nbytes in (q, kv, kv, q):
       add("attention", "all-to-all", n, nbytes, True)
       add("attention", "all-to-all", n, nbytes, False)
     add("attention", "all-gather", n, positions * n, True)
 
 
-def _moe(lay: _Layout, add, c: int, micro: int, residual: int, batch_axes, seq_axes) -> None:
-  moe = lay.config.model.moe
-  expert_axes, _, width_axes = lay.weight("exp", "embed", "exp_mlp")
-  gather = tuple(a for a in seq_axes if a in width_axes) or tuple(a for a in batch_axes if a in width_axes)
-  g = lay.size(gather)
-  tokens = residual * g // (lay.config.model.embed_dim * c)  # tokens this device routes, after gathering
+def _moe(lay: _Layout, add, c: int, residual: int) -> None:
+  moe, d = lay.config.model.moe, lay.config.model.embed_dim
+  experts = lay.plan.expert_layout()
+  g = lay.size(experts.gather)
+  tokens = residual * g // (d * c)  # tokens this device routes, after gathering
   k = moe.top_k
   routing = tokens * k * (4 + 4)  # expert ids and combine weights
   add("moe", "all-gather", g, residual * g + routing, True)
   add("moe", "reduce-scatter", g, residual + tokens * k * 4, False)
-  ep = lay.size(expert_axes)
-  if _moe_kernels(lay):
-    _fused_moe(lay, add, c, int(tokens * k), ep, moe.num_experts // ep)
-  else:
-    _exchanges(lay, add, c, tokens, k, ep)
+  choice = lay.plan.ops["moe"]
+  ep, local_experts = experts.ep, moe.num_experts // experts.ep
+  if cost_kernels.in_custom_calls(choice):
+    _fused_moe(lay, add, c, int(tokens * k), ep, local_experts)
+  elif choice.implementation == "fused":
+    _moe_kernels_as_collectives(lay, add, c, int(tokens * k), ep, local_experts)
+  elif choice.implementation == "all_to_all":
+    _exchanges(lay, add, c, tokens, k, ep, choice)
   add("moe", "reduce-scatter", g, residual, True)
   add("moe", "all-gather", g, residual * g, False)
-  r = lay.size(tuple(a for a in width_axes if a not in gather))
+  r = lay.size(experts.reduce)
   add("moe", "all-reduce", r, residual, True)
   add("moe", "all-reduce", r, residual, False)
-
-
-def fused_ops(config: Config, num_devices: int, platform: str) -> set[str]:
-  """The ops ("attention", "dense_mlp", "shared_experts" projections, "moe") whose communication and GEMMs
-  run inside the `pallas` tier's fused kernels for this config (cost_kernels.py)."""
-  lay = _Layout(config, num_devices, platform)
-  ops = {op for op, weights_in in _projection_blocks(config).items() if _projection_kernels(lay, weights_in)}
-  return ops | ({"moe"} if _moe_kernels(lay) else set())
-
-
-def _projection_blocks(config: Config) -> dict[str, list]:
-  """Each tensor-parallel block's in-projections: (logical names, global width); the first one's width
-  is its out-projection's contraction."""
-  m, moe = config.model, config.model.moe
-  heads, kv_heads = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-  blocks = {"attention": [(heads, m.num_heads * m.head_dim), (kv_heads, m.num_kv_heads * m.head_dim),
-                          (kv_heads, m.num_kv_heads * m.head_dim)]}
-  if m.num_dense_layers:
-    blocks["dense_mlp"] = [(("embed", "mlp"), m.mlp_dim)] * 2
-  if moe.num_shared_experts and m.num_layers > m.num_dense_layers:
-    blocks["shared_experts"] = [(("embed", "mlp"), moe.num_shared_experts * moe.expert_mlp_dim)] * 2
-  return blocks
-
-
-def _projection_kernels(lay: _Layout, weights_in) -> bool:
-  """Whether a block's projections run the Flux kernels: a gather over tensor-parallel axes, and per-device
-  GEMM shapes the kernels tile."""
-  m, t = lay.config.model, lay.config.train
-  batch_axes, seq_axes = lay.act("act_batch", "act_seq")
-  tp_axes = {a for names, _ in weights_in for dim in lay.weight(*names) for a in dim}
-  if lay.size(tuple(a for a in seq_axes if a in tp_axes)) == 1:
-    return False
-  rows = (t.global_batch_size // t.grad_accum_steps // lay.size(batch_axes)) * (t.seq_len // lay.size(seq_axes))
-  local = [width / lay.size(tuple(a for dim in lay.weight(*names) for a in dim)) for names, width in weights_in]
-  return cost_kernels.projection_kernels_apply(lay.config, lay.platform, rows, m.embed_dim, local, local[0])
-
-
-def _moe_kernels(lay: _Layout) -> bool:
-  moe = lay.config.model.moe
-  expert_axes, _, width_axes = lay.weight("exp", "embed", "exp_mlp")
-  return cost_kernels.moe_kernels_apply(lay.config, lay.platform, lay.size(expert_axes),
-                                        moe.expert_mlp_dim / lay.size(width_axes))
 
 
 def _fused_moe(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
@@ -226,18 +188,32 @@ def _fused_moe(lay: _Layout, add, c: int, assignments: int, ep: int, local_exper
     add("moe", "fused all-to-all", ep, nbytes, forward)  # return (backward: the dispatch kernel)
 
 
-def _exchanges(lay: _Layout, add, c: int, tokens: float, k: int, ep: int) -> None:
-  """The reference and xla tiers' token exchanges (expert_parallel.py)."""
+def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
+  """The Comet kernels' plain-XLA versions (kernel backend "collectives"; their reference.py): the group
+  sizes all-gathered, every device's whole send buffer all-gathered for the dispatch and every device's
+  whole receive buffer (with its tiles' sources, int32, int32 and bool) for the return; autodiff's
+  backward reduce-scatters the two buffers' gradients."""
+  d = lay.config.model.embed_dim
+  send_rows, receive_rows = cost_kernels.moe_buffer_rows(assignments, ep, local_experts)
+  receive_tiles = receive_rows // cost_kernels.TILE_ROWS
+  add("moe", "all-gather", ep, ep * ep * local_experts * 4, True)
+  add("moe", "all-gather", ep, ep * send_rows * d * c, True)
+  add("moe", "reduce-scatter", ep, send_rows * d * c, False)
+  add("moe", "all-gather", ep, ep * receive_rows * d * c, True)
+  add("moe", "all-gather", ep, ep * receive_tiles * (4 + 4 + 1), True)
+  add("moe", "reduce-scatter", ep, receive_rows * d * c, False)
+
+
+def _exchanges(lay: _Layout, add, c: int, tokens: float, k: int, ep: int, choice) -> None:
+  """The token exchanges of the `all_to_all` implementation (expert_parallel.py)."""
   moe = lay.config.model.moe
   sent = tokens * k * lay.config.model.embed_dim * c  # [A, D]: this device's assignments
   buffer = ep * sent  # [ep, A, D]: the receive buffer, dropless worst case
-  # Group sizes first, once per chunk of the xla tier's pipeline (moe_pipeline.py); the chunks' token
-  # buffers add up to the unchunked ones.
-  chunks = (min(lay.config.parallel.moe_chunks, int(tokens)) if lay.config.parallel.impl in ("xla", "pallas")
-            else 1)
-  for _ in range(chunks):
+  # Group sizes first, once per chunk of the pipeline (moe_pipeline.py); the chunks' token buffers add up
+  # to the unchunked ones.
+  for _ in range(moe_pipeline.num_chunks(int(tokens), choice.chunks)):
     add("moe", "all-to-all", ep, moe.num_experts * 4, True)
-  if lay.platform == "cpu":  # padded all_to_all of whole [ep, A, D] buffers, each transposed in the backward
+  if choice.exchange == "padded_all_to_all":  # whole [ep, A, D] buffers, each transposed in the backward
     for _ in range(2):  # dispatch and return
       add("moe", "all-to-all", ep, buffer, True)
       add("moe", "all-to-all", ep, buffer, False)
@@ -301,21 +277,19 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
       (("embed", None), num_moe * d * moe.num_experts, 4, True),
       (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 4, True),
   ]
-  params, optimizer = lay.preset.params, lay.preset.optimizer_rules()
-  stored_total = used_total = update_total = 0.0
+  used_total = update_total = 0.0
   for names, elements, itemsize, _ in weights:
     if not elements:
       continue
-    stored = lay.size(tuple(a for dim in lay.axes(names, params) for a in dim))
+    stored = lay.size(tuple(a for dim in lay.stored(*names) for a in dim))
     # Inside the parallel ops a weight keeps its model-parallel split (experts, heads) and loses `embed`;
     # outside them (embedding, router) GSPMD gathers it whole.
     used = lay.size(tuple(a for dim in lay.weight(*names) for a in dim)) if names[0] != "vocab" else 1
     if stored > used:
       used_total += t.grad_accum_steps * moved_bytes("all-gather", stored // used, elements * itemsize / used)
-    updated = lay.size(tuple(a for dim in lay.axes(names, optimizer) for a in dim))
+    updated = lay.size(tuple(a for dim in lay.updated(*names) for a in dim))
     if updated > stored:
       update_total += moved_bytes("all-gather", updated // stored, elements * 4 / stored)
-  del stored_total
   for op, nbytes in (("weights", used_total), ("zero1_update", update_total)):
     if nbytes:
       costs.append(CollectiveCost(op, "all-gather", 0, nbytes))
@@ -325,7 +299,7 @@ def _embedding_lookup(lay: _Layout, costs: list[CollectiveCost], micro: int, bat
   """A table split along D (fsdp) is looked up locally, [tokens, D/g], and GSPMD all-to-alls the result
   to the token split, [tokens/g, D] (float32), and back in the backward pass."""
   m, t = lay.config.model, lay.config.train
-  table_axes = lay.axes(("vocab", "embed"), lay.preset.params)[1]
+  table_axes = lay.stored("vocab", "embed")[1]
   token_axes = set(batch_axes) | set(seq_axes)
   g = lay.size(tuple(a for a in table_axes if a in token_axes))
   tokens = micro * t.seq_len / lay.size(tuple(token_axes))

@@ -9,7 +9,8 @@
   Per layer, the intermediates are counted in units of this device's residual block [B, S, D]
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
   and the MoE dispatch buffers (the [ep*A, D] receive buffer, its tiled copy, the [rows, F] gate, up and
-  hidden units: silu(gate) is recomputed, see dispatch.swiglu_hidden), which dominate at small sizes.
+  hidden units: silu(gate) is recomputed, see models/layers.py swiglu_hidden), which dominate at small
+  sizes. Which buffers exist is the parallel plan's choice of implementation (meshmoe.sharding.plan).
 The compiled step also holds the batch, temporary buffers XLA schedules between ops and the logits;
 the logits [B, S, V] in float32 and their gradient are counted, the rest is not.
 """
@@ -24,10 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.analysis import cost_kernels
-from meshmoe.config import Config, resolve_mesh_sizes
+from meshmoe.config import Config
 from meshmoe.models.decoder import Transformer
-from meshmoe.sharding.dispatch import choose_block_rows
-from meshmoe.sharding.rules import get_preset, logical_to_spec
+from meshmoe.sharding import moe_pipeline, parallel
+from meshmoe.sharding.grouped_ffn import blocked_tiles
+from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import logical_axes_of
 
 
@@ -43,35 +45,30 @@ class MemoryCost:
     return self.params + self.gradients + self.optimizer + self.activations
 
 
-def memory_per_device(config: Config, num_devices: int, platform: str = "cpu") -> MemoryCost:
-  sizes = resolve_mesh_sizes(config.mesh, num_devices)
-  preset = get_preset(config.mesh.preset)
+def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
   abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
   params = nnx.state(abstract, nnx.Param)
   shapes = jax.tree.leaves(jax.tree.map(lambda v: v.get_value().shape, params, is_leaf=_is_variable),
                            is_leaf=lambda x: isinstance(x, tuple))
   names = jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
 
-  def placed_bytes(rules) -> float:
-    return sum(4 * math.prod(shape) / _shards(logical_to_spec(n, rules), sizes)
-               for shape, n in zip(shapes, names))
+  def placed_bytes(spec_of) -> float:
+    return sum(4 * math.prod(shape) / _shards(plan, spec_of(n)) for shape, n in zip(shapes, names))
 
-  param_bytes = placed_bytes(preset.params)
-  return MemoryCost(params=param_bytes, gradients=param_bytes,
-                    optimizer=2 * placed_bytes(preset.optimizer_rules()),
-                    activations=_activation_bytes(config, sizes, preset, platform))
+  param_bytes = placed_bytes(plan.param_spec)
+  return MemoryCost(params=param_bytes, gradients=param_bytes, optimizer=2 * placed_bytes(plan.optimizer_spec),
+                    activations=_activation_bytes(config, plan))
 
 
-def _activation_bytes(config: Config, sizes, preset, platform: str) -> float:
+def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
   m, t = config.model, config.train
   c = jnp.dtype(m.dtype).itemsize
-  acts = preset.activations
   micro = t.global_batch_size // t.grad_accum_steps
-  tokens = micro * t.seq_len / _shards(logical_to_spec(("act_batch", "act_seq"), acts), sizes)
+  tokens = micro * t.seq_len / _shards(plan, plan.activation_spec(("act_batch", "act_seq")))
   residual = tokens * m.embed_dim * c
-  attention, qkvo = _attention_layer(config, sizes, preset, residual)
-  moe_layer, moe_transient = _moe_layer(config, sizes, preset, tokens, residual, platform)
-  mlp_width = m.mlp_dim / _shards(logical_to_spec(("mlp",), preset.params), sizes)
+  attention, qkvo = _attention_layer(config, plan, residual)
+  moe_layer, moe_transient = _moe_layer(config, plan, tokens, residual)
+  mlp_width = m.mlp_dim / _shards(plan, plan.param_spec(("mlp",)))
   dense_layer = 2 * residual + tokens * 3 * mlp_width * c
   num_moe = m.num_layers - m.num_dense_layers
   layers = [attention + dense_layer] * m.num_dense_layers + [attention + moe_layer] * num_moe
@@ -81,31 +78,29 @@ def _activation_bytes(config: Config, sizes, preset, platform: str) -> float:
     kept = m.num_layers * residual + max(layers)
   else:  # dots: projections' outputs kept, the rest of one layer rebuilt at a time
     kept = m.num_layers * (residual + qkvo) + max(layers)
-  vocab_split = _shards(logical_to_spec(("act_batch", "act_seq", "act_vocab"), acts), sizes)
+  vocab_split = _shards(plan, plan.activation_spec(("act_batch", "act_seq", "act_vocab")))
   logits = 2 * micro * t.seq_len * m.vocab_size * 4 / vocab_split  # logits and their gradient
   return kept + (moe_transient if num_moe else 0.0) + logits
 
 
-def _attention_layer(config: Config, sizes, preset, residual: float) -> tuple[float, float]:
+def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tuple[float, float]:
   """(bytes one attention layer keeps, of which q/k/v/o)."""
   m, t = config.model, config.train
   c = jnp.dtype(m.dtype).itemsize
-  acts = preset.activations
   micro = t.global_batch_size // t.grad_accum_steps
-  batch_split = _shards(logical_to_spec(("act_batch",), acts), sizes)
-  seq_split = _shards(logical_to_spec((None, "act_attn_seq"), acts), sizes)
-  heads_split = _shards(logical_to_spec((None, None, "act_heads"), acts), sizes)
+  batch_split = _shards(plan, plan.activation_spec(("act_batch",)))
+  seq_split = _shards(plan, plan.activation_spec((None, "act_attn_seq")))
+  heads_split = _shards(plan, plan.activation_spec((None, None, "act_heads")))
   rows = micro / batch_split * t.seq_len / seq_split
   qkvo = rows * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * c / heads_split
   probs = rows * m.num_heads / heads_split * t.seq_len * 4  # each query's scores over the whole sequence
   gathered_kv = 0.0
-  if seq_split > 1 and config.parallel.attention == "allgather":
+  if seq_split > 1 and plan.ops["attention"].implementation == "allgather":
     gathered_kv = 2 * micro / batch_split * t.seq_len * m.num_kv_heads / heads_split * m.head_dim * c
   return 2 * residual + qkvo + probs + gathered_kv, qkvo
 
 
-def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float,
-               platform: str) -> tuple[float, float]:
+def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: float) -> tuple[float, float]:
   """(bytes one MoE layer keeps for its backward pass, bytes live only at the backward's peak, once).
 
   Blocked GEMM: each tile's gathered expert weights are kept; their gradients are per-tile buffers of the
@@ -114,32 +109,42 @@ def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float,
   buffer (the layer scan's) until the backward loop ends, so the gradients need buffers of their own.
   ragged_dot: XLA rewrites it into dense products over every local expert, and [E/ep, rows, F] buffers
   for gate, up and their gradients are live at the backward's peak."""
+  choice = plan.ops.get("moe")
+  if choice is None:  # no MoE layer
+    return 0.0, 0.0
   m, moe = config.model, config.model.moe
   c = jnp.dtype(m.dtype).itemsize
   d = m.embed_dim
-  ep = _shards(logical_to_spec(("exp",), preset.params), sizes)
+  experts = plan.expert_layout()
+  ep = experts.ep
   local_experts = moe.num_experts // ep
-  width = moe.expert_mlp_dim / _shards(logical_to_spec(("exp_mlp",), preset.params), sizes)
+  width = moe.expert_mlp_dim / plan.axis_size(experts.width_axes)
   # Tokens are gathered over the expert-width axes that also split them (tp_sp).
-  width_axes = set(_axes(logical_to_spec((None, "exp_mlp"), preset.params)))
-  token_axes = _axes(logical_to_spec(("act_batch", "act_seq"), preset.activations))
-  gathered = tokens * math.prod(sizes[a] for a in token_axes if a in width_axes)
+  gathered = tokens * plan.axis_size(experts.gather)
   buffers = 2 * (gathered - tokens) * d * c  # the gathered tokens and their gradient
   assignments = gathered * moe.top_k
   rows = ep * assignments  # the receive buffer
   buffers += assignments * d * c * 2 + (2 * 2 * rows * d * c if ep > 1 else 0)  # copied, sent/returned
-  gemm = moe.gemm_impl if moe.gemm_impl != "auto" else ("blocked" if platform == "cpu" else "ragged_dot")
-  if cost_kernels.moe_kernels_apply(config, platform, ep, width):
+  if choice.implementation == "fused":
     # The tile plan's buffers: send and returned rows, received rows with their gate, up and hidden units;
     # the backward's dispatched gradients [R, D + F] are transient.
     send_rows, receive_rows = cost_kernels.moe_buffer_rows(int(assignments), ep, local_experts)
     buffers = 2 * (gathered - tokens) * d * c + assignments * d * c * 2 + 2 * send_rows * d * c
     hidden = receive_rows * (d + 3 * width) * c
-    return 2 * residual + buffers + hidden + gathered * moe.num_experts * 4 * 3, receive_rows * (d + width) * c
-  if gemm == "blocked":
-    height = moe.gemm_block_rows or choose_block_rows(int(rows), local_experts)
-    tiles = (rows + local_experts * (height - 1)) // height
-    tiled_rows = tiles * height
+    transient = receive_rows * (d + width) * c
+    weights = 0.0
+    if not cost_kernels.in_custom_calls(choice):
+      # The kernels' plain-XLA versions (reference.py) multiply every receive tile by its expert's weights,
+      # gathered per tile and kept for the backward pass as the blocked GEMM's are, and all-gather every
+      # device's send and receive buffers.
+      weights = 3 * receive_rows // cost_kernels.TILE_ROWS * d * width * c
+      transient += (weights if m.remat == "none" else 0.0) + ep * (send_rows + receive_rows) * d * c
+    return 2 * residual + buffers + hidden + weights + gathered * moe.num_experts * 4 * 3, transient
+  if choice.grouped_gemm == "blocked":  # every chunk's tiles and their gathered weights are kept
+    shapes = [blocked_tiles(ep * tokens * moe.top_k, local_experts, choice.block_rows)
+              for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks)]
+    tiles = sum(count for count, _ in shapes)
+    tiled_rows = sum(count * height for count, height in shapes)
     weights = 3 * tiles * d * width * c
     transient = weights if m.remat == "none" else 0.0
   else:
@@ -150,12 +155,8 @@ def _moe_layer(config: Config, sizes, preset, tokens: float, residual: float,
   return 2 * residual + buffers + hidden + weights + router, transient
 
 
-def _axes(spec) -> list[str]:
-  return [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
-
-
-def _shards(spec, sizes) -> int:
-  return math.prod(sizes[a] for a in _axes(spec))
+def _shards(plan: ParallelPlan, spec) -> int:
+  return plan.axis_size(parallel.all_axes(spec))
 
 
 def _is_variable(x) -> bool:

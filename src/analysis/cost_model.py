@@ -6,12 +6,14 @@ projections, the causal half of the attention scores and values, the router, the
 actually uses, shared experts, dense layers and the output logits. A training step is forward + backward
 = 3 x forward. MFU uses these.
 
-Executed FLOPs per device count what meshmoe's implementation runs on one device: attention over the
-blocks it really computes (all S x S pairs on one device, or 2n+1 of 4n blocks with the load-balanced
-all-gather), the grouped GEMM's padding (tile padding, and the dropless worst-case receive buffer of
-expert parallelism), work repeated on devices that hold the same tokens (the router and logits under
-`megascale`, which leaves `tensor` out of the token split), and the forward again under remat.
-Elementwise work (norms, softmax, activations) is counted by neither; compiled programs count it.
+Executed FLOPs per device count what meshmoe's implementation runs on one device, as the parallel plan
+says it runs (meshmoe.sharding.plan: the same object the ops dispatch on): attention over the blocks it
+really computes (all S x S pairs on one device or in the plain ring, 2n+1 of 4n blocks with the
+load-balanced all-gather or the zigzag ring), the grouped GEMM's padding (tile padding, and the dropless
+worst-case receive buffer of expert parallelism), work repeated on devices that hold the same tokens (the
+router and logits under `megascale`, which leaves `tensor` out of the token split), and the forward again
+under remat. Elementwise work (norms, softmax, activations) is counted by neither; compiled programs count
+it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshmoe.analysis import cost_kernels
-from meshmoe.config import Config, ModelConfig, resolve_mesh_sizes
-from meshmoe.sharding.dispatch import choose_block_rows
-from meshmoe.sharding.rules import get_preset, logical_to_spec
+from meshmoe.analysis import cost_collectives, cost_kernels, cost_memory
+from meshmoe.config import Config, ModelConfig
+from meshmoe.sharding import moe_pipeline, parallel
+from meshmoe.sharding.grouped_ffn import blocked_tiles
+from meshmoe.sharding.plan import ParallelPlan, projection_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,25 +82,21 @@ def active_params(cfg: ModelConfig) -> dict[str, int]:
   }
 
 
-def executed_flops_per_device(config: Config, num_devices: int, platform: str = "cpu") -> ForwardFlops:
+def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlops:
   """FLOPs one device executes per training step, by part (forward, backward and remat together)."""
-  m, moe, t = config.model, config.model.moe, config.train
-  sizes = resolve_mesh_sizes(config.mesh, num_devices)
-  preset = get_preset(config.mesh.preset)
-  split = lambda logical, rules: math.prod(
-      sizes[a] for entry in logical_to_spec(logical, rules) if entry is not None
-      for a in ((entry,) if isinstance(entry, str) else entry))
+  m, t = config.model, config.train
+  split = lambda *logical: plan.axis_size(parallel.all_axes(plan.activation_spec(logical)))
   useful = forward_flops(m, t.global_batch_size, t.seq_len)
-  per_device = {name: value / num_devices for name, value in vars(useful).items()}
+  per_device = {name: value / plan.mesh.size for name, value in vars(useful).items()}
   # Work done once per group of devices holding the same tokens is repeated on each of them.
-  token_split = split(("act_batch", "act_seq"), preset.activations)
-  per_device["router"] = useful.router / token_split
-  per_device["logits"] = useful.logits / split(("act_batch", "act_seq", "act_vocab"), preset.activations)
-  n = split(("act_attn_seq",), preset.activations)
+  per_device["router"] = useful.router / split("act_batch", "act_seq")
+  per_device["logits"] = useful.logits / split("act_batch", "act_seq", "act_vocab")
+  n = plan.axis_size(plan.attention_axes())
   dense_scores = useful.attention_scores * t.seq_len / (t.seq_len + 1) * 2  # all S x S pairs
-  computed = {"allgather": (2 * n + 1) / (4 * n)}.get(config.parallel.attention, 1.0) if n > 1 else 1.0
-  per_device["attention_scores"] = dense_scores * computed / num_devices
-  per_device["routed_experts"] = _expert_flops(config, sizes, preset, split, platform)
+  causal_blocks = plan.ops["attention"].implementation in ("allgather", "zigzag_ring")
+  computed = (2 * n + 1) / (4 * n) if n > 1 and causal_blocks else 1.0
+  per_device["attention_scores"] = dense_scores * computed / plan.mesh.size
+  per_device["routed_experts"] = _expert_flops(config, plan)
   forward = ForwardFlops(**per_device)
   recompute = {"none": 0.0, "full": 1.0, "dots": 0.0}[m.remat]
   scale = {name: 3.0 + recompute for name in per_device}
@@ -106,55 +105,57 @@ def executed_flops_per_device(config: Config, num_devices: int, platform: str = 
   return ForwardFlops(**{name: scale[name] * value for name, value in vars(forward).items()})
 
 
-def _expert_flops(config: Config, sizes, preset, split, platform: str) -> float:
+def _expert_flops(config: Config, plan: ParallelPlan) -> float:
   """Forward FLOPs of one device's routed-expert GEMMs, as the dispatch lays them out."""
   m, moe, t = config.model, config.model.moe, config.train
   num_moe = m.num_layers - m.num_dense_layers
+  if not num_moe:
+    return 0.0
   micro = t.global_batch_size // t.grad_accum_steps
-  ep = split(("exp",), preset.params)
-  width_split = split(("exp_mlp",), preset.params)
-  token_split = split(("act_batch", "act_seq"), preset.activations)
+  lay = plan.expert_layout()
+  choice = plan.ops["moe"]
+  token_split = plan.axis_size(parallel.all_axes(plan.activation_spec(("act_batch", "act_seq"))))
   # Tokens this device routes: its share, gathered over the expert-width axes that also split tokens.
-  token_axes = [a for e in logical_to_spec(("act_batch", "act_seq"), preset.activations) if e is not None
-                for a in ((e,) if isinstance(e, str) else e)]
-  width_axes = logical_to_spec((None, "exp_mlp"), preset.params)[1]
-  width_axes = () if width_axes is None else (width_axes,) if isinstance(width_axes, str) else width_axes
-  gathered = math.prod(sizes[a] for a in width_axes if a in token_axes)
-  assignments = micro * t.seq_len // token_split * gathered * moe.top_k
-  rows = ep * assignments  # the receive buffer: dropless worst case
-  local_experts = moe.num_experts // ep
-  gemm = moe.gemm_impl if moe.gemm_impl != "auto" else ("blocked" if platform == "cpu" else "ragged_dot")
-  if cost_kernels.moe_kernels_apply(config, platform, ep, moe.expert_mlp_dim / width_split):
-    computed_rows, _ = cost_kernels.moe_rows(assignments, ep, local_experts)  # used tiles only
-  elif gemm == "blocked":
-    height = moe.gemm_block_rows or choose_block_rows(rows, local_experts)
-    computed_rows = (rows + local_experts * (height - 1)) // height * height
+  assignments = micro * t.seq_len // token_split * plan.axis_size(lay.gather) * moe.top_k
+  rows = lay.ep * assignments  # the receive buffer: dropless worst case
+  local_experts = moe.num_experts // lay.ep
+  if cost_kernels.in_custom_calls(choice):
+    computed_rows, _ = cost_kernels.moe_rows(assignments, lay.ep, local_experts)  # used tiles only
+  elif choice.implementation == "fused":  # the kernels' plain-XLA versions multiply every buffer tile
+    _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
+  elif choice.grouped_gemm == "blocked":  # each chunk's receive rows padded to whole tiles on their own
+    computed_rows = sum(math.prod(blocked_tiles(lay.ep * tokens * moe.top_k, local_experts, choice.block_rows))
+                        for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks))
   else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert
     computed_rows = rows * local_experts
-  per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / width_split
+  per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / plan.axis_size(lay.width_axes)
   return num_moe * per_step_micro * t.grad_accum_steps
 
 
-def flops_in_kernels(config: Config, num_devices: int, platform: str = "gpu") -> float:
-  """Of `executed_flops_per_device`, the FLOPs inside the `pallas` tier's fused kernels, which compiled
-  HLO does not show: the routed experts' every GEMM (forward, input and weight gradients), and of a
-  tensor-parallel block's projections the forward (with its remat repeat) and input-gradient GEMMs (the
-  weight gradients are local XLA matmuls)."""
-  from meshmoe.analysis import cost_collectives
-
-  ops = cost_collectives.fused_ops(config, num_devices, platform)
-  executed = executed_flops_per_device(config, num_devices, platform)
+def flops_in_kernels(config: Config, plan: ParallelPlan) -> float:
+  """Of `executed_flops_per_device`, the FLOPs inside custom-call kernels, which compiled HLO does not
+  show: the routed experts' every GEMM (forward, input and weight gradients), and of a tensor-parallel
+  projection the forward (with its remat repeat) and input-gradient GEMMs (the weight gradients are local
+  XLA matmuls)."""
+  executed = executed_flops_per_device(config, plan)
   recompute = 1.0 if config.model.remat == "full" else 0.0
   share = (2.0 + recompute) / (3.0 + recompute)
   parts = {"attention": executed.attention_projections, "dense_mlp": executed.dense_mlp,
            "shared_experts": executed.shared_experts}
-  return (sum(share * flops for op, flops in parts.items() if op in ops)
-          + (executed.routed_experts if "moe" in ops else 0.0))
+  in_kernels = 0.0
+  for block, weights_in, weight_out in projection_blocks(config):
+    widths = {"project_in": sum(width for _, width in weights_in), "project_out": weight_out[1]}
+    for direction, width in widths.items():
+      if cost_kernels.in_custom_calls(plan.ops.get(f"{block}.{direction}")):
+        in_kernels += share * parts[block] * width / sum(widths.values())
+  if cost_kernels.in_custom_calls(plan.ops.get("moe")):
+    in_kernels += executed.routed_experts
+  return in_kernels
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-  """The cost model's figures for one training step of a (config, device count)."""
+  """The cost model's figures for one training step of a (config, plan)."""
 
   model_flops: float  # useful FLOPs, whole step, all devices
   executed_flops_per_device: ForwardFlops  # by part, forward + backward + remat
@@ -162,12 +163,11 @@ class StepCost:
   memory: object  # cost_memory.MemoryCost, per device
 
 
-def step_cost(config: Config, num_devices: int, platform: str = "cpu") -> StepCost:
-  from meshmoe.analysis import cost_collectives, cost_memory  # they import this module's neighbours only
-
+def step_cost(config: Config, plan: ParallelPlan) -> StepCost:
+  """FLOPs, collectives and memory of one training step of `config` run as `plan` says."""
   t = config.train
   return StepCost(
       model_flops=train_step_flops(config.model, t.global_batch_size, t.seq_len),
-      executed_flops_per_device=executed_flops_per_device(config, num_devices, platform),
-      collectives=cost_collectives.collective_costs(config, num_devices, platform),
-      memory=cost_memory.memory_per_device(config, num_devices, platform))
+      executed_flops_per_device=executed_flops_per_device(config, plan),
+      collectives=cost_collectives.collective_costs(config, plan),
+      memory=cost_memory.memory_per_device(config, plan))

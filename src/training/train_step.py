@@ -12,6 +12,9 @@ A step whose loss or gradient norm is NaN/Inf keeps the state it started from (m
 
 With several processes each one holds only some rows of the global batch (`process_rows`: those its
 devices hold) and `place_batch` assembles the global array from every process's rows.
+
+Everything here is built from the run's parallel plan (meshmoe.sharding.plan): the shardings, and the plan
+the steps activate while they trace the model, so every parallel op runs as the plan says.
 """
 
 import dataclasses
@@ -23,14 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
 from meshmoe.runtime import nonfinite
 from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
-from meshmoe.sharding.shardings import batch_sharding, param_shardings, use_rules
-from meshmoe.training.model_state import abstract_model_state, init_model, init_optimizer_state, optimizer_state_shardings
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import use_plan
+from meshmoe.training.model_state import (abstract_model_state, in_sequence_order, init_model, init_optimizer_state,
+                                          optimizer_state_shardings)
 
 
 @dataclasses.dataclass
@@ -57,35 +61,35 @@ class Trainer:
   state_shardings: Any
 
 
-def create(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
-  """The initial state (sharded on `mesh`) and the jitted steps for `config`."""
-  model = init_model(config, mesh)
+def create(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainState]:
+  """The initial state (sharded as `plan` says) and the jitted steps for `config`."""
+  model = init_model(config, plan)
   graphdef, params, others = nnx.split(model, nnx.Param, ...)
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
-  opt_state = init_optimizer_state(optimizer, params, config, mesh)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  opt_state = init_optimizer_state(optimizer, params, plan)
+  replicated = plan.replicated()
   state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, others=others,
                      opt_state=opt_state,
                      rng=jax.device_put(jax.random.PRNGKey(config.train.seed), replicated))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
   trainer = Trainer(graphdef, optimizer, schedule,
-                    _make_train_step(graphdef, optimizer, schedule, config, mesh, shardings),
-                    _make_eval_step(graphdef, config, mesh), shardings)
+                    _make_train_step(graphdef, optimizer, schedule, config, plan, shardings),
+                    _make_eval_step(graphdef, config, plan), shardings)
   return trainer, state
 
 
-def create_abstract(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
+def create_abstract(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainState]:
   """The jitted steps and the state as jax.ShapeDtypeStructs with their shardings, allocating nothing: to
   compile a step for devices this machine does not have (meshmoe.analysis.aot)."""
-  graphdef, params, others = abstract_model_state(config, mesh)
+  graphdef, params, others = abstract_model_state(config, plan)
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
-  opt_shardings = optimizer_state_shardings(optimizer, params, config, mesh)
+  opt_shardings = optimizer_state_shardings(optimizer, params, plan)
   # The shardings tree is a prefix of the state's (a sharding where the state has a Variable of an array).
   placed = lambda sharding, subtree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree)
   opt_state = jax.tree.map(placed, opt_shardings, jax.eval_shape(optimizer.init, params))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  replicated = plan.replicated()
   rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                      others=others, opt_state=opt_state,
@@ -93,16 +97,16 @@ def create_abstract(config: Config, mesh: Mesh) -> tuple[Trainer, TrainState]:
   shardings = jax.tree.map(lambda x: x.sharding, state)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
   trainer = Trainer(graphdef, optimizer, schedule,
-                    _make_train_step(graphdef, optimizer, schedule, config, mesh, shardings),
-                    _make_eval_step(graphdef, config, mesh), shardings)
+                    _make_train_step(graphdef, optimizer, schedule, config, plan, shardings),
+                    _make_eval_step(graphdef, config, plan), shardings)
   return trainer, state
 
 
-def process_rows(config: Config, mesh: Mesh) -> range:
+def process_rows(config: Config, plan: ParallelPlan) -> range:
   """The rows of each global batch that this process's devices hold: a contiguous block (the whole batch
   when the batch is not split across processes), because the mesh puts hosts outermost."""
   size, shape = config.train.global_batch_size, (config.train.global_batch_size, config.train.seq_len)
-  indices = batch_sharding(mesh, config.mesh.preset).addressable_devices_indices_map(shape).values()
+  indices = plan.batch_sharding().addressable_devices_indices_map(shape).values()
   spans = sorted(index[0].indices(size)[:2] for index in indices)
   covered = set().union(*(range(start, stop) for start, stop in spans))
   rows = range(spans[0][0], max(stop for _, stop in spans))
@@ -111,10 +115,10 @@ def process_rows(config: Config, mesh: Mesh) -> range:
   return rows
 
 
-def place_batch(batch: dict[str, np.ndarray], config: Config, mesh: Mesh) -> dict[str, jax.Array]:
+def place_batch(batch: dict[str, np.ndarray], config: Config, plan: ParallelPlan) -> dict[str, jax.Array]:
   """Global arrays sharded like the preset's batch, from this process's rows (`process_rows`) of it."""
-  sharding = batch_sharding(mesh, config.mesh.preset)
-  rows = process_rows(config, mesh)
+  sharding = plan.batch_sharding()
+  rows = process_rows(config, plan)
 
   def place(name: str, local: np.ndarray) -> jax.Array:
     if local.shape[0] != len(rows):
@@ -130,9 +134,9 @@ def _local_index(index: tuple[slice, ...], rows: range, shape: tuple[int, ...]) 
   return (slice(start - rows.start, stop - rows.start), *index[1:])
 
 
-def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(config: Config, plan: ParallelPlan) -> dict[str, jax.ShapeDtypeStruct]:
   """Shapes, dtypes and shardings of a global batch (to compile the step before data arrives)."""
-  shape, sharding = (config.train.global_batch_size, config.train.seq_len), batch_sharding(mesh, config.mesh.preset)
+  shape, sharding = (config.train.global_batch_size, config.train.seq_len), plan.batch_sharding()
   return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
           "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
@@ -143,18 +147,23 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
   return {k: jnp.moveaxis(v.reshape(v.shape[0] // count, count, *v.shape[1:]), 1, 0) for k, v in batch.items()}
 
 
-def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, shardings) -> Callable:
+def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: ParallelPlan) -> dict[str, jax.Array]:
+  """The loss terms of one (micro-)batch (decoder.lm_loss_terms), traced under `plan`."""
+  with use_plan(plan):
+    tokens, targets, mask, positions = in_sequence_order(plan, batch["inputs"], batch["targets"], batch["mask"])
+    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions)
+
+
+def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: ParallelPlan, shardings) -> Callable:
   moe, count = config.model.moe, config.train.grad_accum_steps
-  grad_shardings = param_shardings(shardings.params, mesh, config.mesh.preset)
+  grad_shardings = plan.param_shardings(shardings.params)
   stacked = nonfinite.stacked_leaves(shardings.params)
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     total_tokens = jnp.sum(batch["mask"])
 
     def loss_of(params, micro):
-      with use_rules(mesh, config.mesh.preset, config.parallel):
-        model = nnx.merge(graphdef, params, state.others)
-        terms = lm_loss_terms(model, micro["inputs"], micro["targets"], micro["mask"])
+      terms = loss_terms(graphdef, params, state.others, micro, plan)
       return combine_loss_terms(terms, moe, total_tokens, count), terms
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -191,16 +200,13 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, mesh: Mesh, 
     return new_state, metrics
 
   # Metrics are small and replicated, so every process can read them.
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.jit(train_step, in_shardings=(shardings, None), out_shardings=(shardings, replicated),
+  return jax.jit(train_step, in_shardings=(shardings, None), out_shardings=(shardings, plan.replicated()),
                  donate_argnums=0)
 
 
-def _make_eval_step(graphdef, config: Config, mesh: Mesh) -> Callable:
+def _make_eval_step(graphdef, config: Config, plan: ParallelPlan) -> Callable:
   def eval_step(params, others, batch):
-    with use_rules(mesh, config.mesh.preset, config.parallel):
-      terms = lm_loss_terms(nnx.merge(graphdef, params, others), batch["inputs"], batch["targets"],
-                            batch["mask"])
+    terms = loss_terms(graphdef, params, others, batch, plan)
     return {"ce_sum": terms["ce_sum"], "tokens": terms["tokens"]}
 
-  return jax.jit(eval_step, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return jax.jit(eval_step, out_shardings=plan.replicated())

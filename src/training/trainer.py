@@ -25,12 +25,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshmoe.analysis import cost_model
-from meshmoe.data import pipeline as data_lib
-from meshmoe.training import metrics as metrics_lib, report, sampling, train_step
-from meshmoe.runtime import nonfinite, resilience, stragglers
-from meshmoe.training.checkpointing import Checkpointer
 from meshmoe.config import Config, profile_range
+from meshmoe.data import pipeline as data_lib
+from meshmoe.runtime import nonfinite, resilience, stragglers
 from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.training import metrics as metrics_lib, report, sampling, train_step
+from meshmoe.training.checkpointing import Checkpointer
 
 
 _SAMPLE_ON_ONE_DEVICE_BYTES = 1 << 30
@@ -58,13 +59,16 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
   start_time = time.perf_counter()
   workdir = pathlib.Path(workdir)
   config.validate(jax.device_count())
+  mesh = make_mesh(config.mesh)
+  plan = ParallelPlan.build(config, mesh)  # checks the sharding divisibility; decides every parallel op
   is_primary = jax.process_index() == 0
   if is_primary:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
-  mesh = make_mesh(config.mesh)
-  data = data_lib.build_data(config, train_step.process_rows(config, mesh))
-  trainer, state = train_step.create(config, mesh)
+    plan.write_json(workdir / "plan.json")
+    print(plan.table(), flush=True)
+  data = data_lib.build_data(config, train_step.process_rows(config, plan))
+  trainer, state = train_step.create(config, plan)
   checkpointer = Checkpointer(workdir, config.checkpoint)
   restored = checkpointer.restore_latest(state)
   skipped_steps = 0
@@ -73,13 +77,13 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     data.train.set_state(restored.data_state)
     print(f"resuming from the checkpoint of step {restored.step} in {checkpointer.directory}", flush=True)
   first_step = int(state.step)
-  eval_batches = [train_step.place_batch(b, config, mesh) for b in data.eval_batches]
+  eval_batches = [train_step.place_batch(b, config, plan) for b in data.eval_batches]
   compile_start = time.perf_counter()
-  step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, mesh)).compile()
+  step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
   if is_primary:
-    print(f"{config.train.steps - first_step} steps to go on mesh {dict(mesh.shape)} ({config.mesh.preset}); "
-          f"train step compiled in {time.perf_counter() - compile_start:.1f}s; "
-          f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens", flush=True)
+    print(f"{config.train.steps - first_step} steps to go; train step compiled in "
+          f"{time.perf_counter() - compile_start:.1f}s; {data.train_tokens:,} train / {data.eval_tokens:,} eval "
+          "tokens", flush=True)
 
   # The eval step is compiled here too, not at the first evaluation: the watchdog does not watch compiling
   # (a large model's takes minutes), and the processes meet below once all of it is done.
@@ -90,7 +94,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     # meeting here, the first step's collectives would wait for the slowest inside the watchdog's watch.
     multihost_utils.sync_global_devices("meshmoe: steps compiled")
 
-  loop = _Loop(config, workdir, step_fn, eval_fn, data, eval_batches, checkpointer, mesh, step_delay_s,
+  loop = _Loop(config, workdir, step_fn, eval_fn, data, eval_batches, checkpointer, plan, step_delay_s,
                nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps))
   with resilience.Watchdog(config.resilience.watchdog_timeout_s, jax.process_index()) as watchdog:
     try:
@@ -122,9 +126,10 @@ class _Loop:
   """The steps of one run, with metrics, eval and checkpoints, and the resilience checks between steps."""
 
   def __init__(self, config: Config, workdir: pathlib.Path, step_fn, eval_fn, data, eval_batches,
-               checkpointer: Checkpointer, mesh, step_delay_s: float, nonfinite_monitor: nonfinite.Monitor):
+               checkpointer: Checkpointer, plan: ParallelPlan, step_delay_s: float,
+               nonfinite_monitor: nonfinite.Monitor):
     self.config, self.workdir, self.step_fn, self.eval_fn = config, workdir, step_fn, eval_fn
-    self.data, self.eval_batches, self.checkpointer, self.mesh = data, eval_batches, checkpointer, mesh
+    self.data, self.eval_batches, self.checkpointer, self.plan = data, eval_batches, checkpointer, plan
     self.step_delay_s, self.nonfinite = step_delay_s, nonfinite_monitor
     self.stragglers = stragglers.Monitor(config.resilience, jax.process_count(), jax.process_index())
     self.final_loss, self.eval_loss = float("nan"), None
@@ -157,7 +162,7 @@ class _Loop:
         if step in profile and not tracing and is_primary:  # also when a resumed run starts inside the range
           jax.profiler.start_trace(str(self.workdir / "profile"))
           tracing = True
-        batch = train_step.place_batch(next(self.data.train), c, self.mesh)
+        batch = train_step.place_batch(next(self.data.train), c, self.plan)
         state, metrics = self.step_fn(state, batch)
         self._check(pending, state, watchdog)  # the previous step, while this one runs
         pending = (done, metrics)

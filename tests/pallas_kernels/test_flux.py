@@ -50,12 +50,12 @@ def test_twins_equal_the_reference_without_races(mesh_shape, axes):
 
   gathered = run(lambda x, w: allgather_tpu.allgather_matmul(x, w, axes)[0])(x, w)
   assert not harness.races_found()
-  expected = run(lambda x, w: allgather_api.allgather_matmul(x, w, axes, backend="reference"))(x, w)
+  expected = run(lambda x, w: allgather_api.allgather_matmul(x, w, axes, backend="collectives"))(x, w)
   assert_close(gathered, expected, FP32_MODULE_RTOL, "all-gather GEMM")
 
   scattered = run(lambda y, w: scatter_tpu.matmul_reducescatter(y, w, axes))(y, w)
   assert not harness.races_found()
-  expected = run(lambda y, w: scatter_api.matmul_reducescatter(y, w, axes, backend="reference"))(y, w)
+  expected = run(lambda y, w: scatter_api.matmul_reducescatter(y, w, axes, backend="collectives"))(y, w)
   assert_close(scattered, expected, FP32_MODULE_RTOL, "GEMM reduce-scatter")
 
 
@@ -87,7 +87,7 @@ def test_fused_gradients_equal_the_reference(mesh_shape, axes):
                       (scatter_api.matmul_reducescatter, y, dout_scattered)):
     fused = vjp(op, "tpu_interpret")(a, w, dout)
     assert not harness.races_found()
-    expected = vjp(op, "reference")(a, w, dout)
+    expected = vjp(op, "collectives")(a, w, dout)
     for got, want, name in zip(fused, expected, ("input", "weight")):
       assert_close(got, want, FP32_MODULE_RTOL, f"{op.__name__} {name} gradient")
 
@@ -165,10 +165,10 @@ def test_mosaic_compute_path_equals_the_reference(num_sms):
 
   out = run(lambda x, w: allgather_mosaic.allgather_matmul(x, w, ("x",), num_sms=num_sms,
                                                            interpret=harness.GPU_INTERPRET)[0], (spec, P()))(x, w)
-  expected = run(lambda x, w: allgather_api.allgather_matmul(x, w, "x", backend="reference"), (spec, P()))(x, w)
+  expected = run(lambda x, w: allgather_api.allgather_matmul(x, w, "x", backend="collectives"), (spec, P()))(x, w)
   assert_close(out.astype(jnp.float32), expected.astype(jnp.float32), harness.BF16_RTOL, "all-gather GEMM")
 
   out = run(lambda y, w: scatter_mosaic.matmul_reducescatter(y, w, ("x",), num_sms=num_sms,
                                                              interpret=harness.GPU_INTERPRET), (spec, P()))(y, w)
-  expected = run(lambda y, w: scatter_api.matmul_reducescatter(y, w, "x", backend="reference"), (spec, P()))(y, w)
+  expected = run(lambda y, w: scatter_api.matmul_reducescatter(y, w, "x", backend="collectives"), (spec, P()))(y, w)
   assert_close(out.astype(jnp.float32), expected.astype(jnp.float32), harness.BF16_RTOL, "GEMM reduce-scatter")

@@ -1,5 +1,5 @@
 """The Comet kernels: MoE dispatch + grouped GEMM (pallas_kernels/moe_dispatch_gemm) and grouped GEMM +
-return to the owners (pallas_kernels/moe_gemm_combine), each other's backward, on the tile plan of
+return to the owners (pallas_kernels/moe_gemm_return), each other's backward, on the tile plan of
 pallas_kernels/moe_routing.py.
 
 - plan and composition: dispatch -> SwiGLU -> return -> combine equals a NumPy per-assignment MoE for
@@ -28,8 +28,8 @@ from meshmoe.analysis import deviceless
 from meshmoe.pallas_kernels import moe_routing
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api, mosaic_gpu as dispatch_mosaic
 from meshmoe.pallas_kernels.moe_dispatch_gemm import tpu as dispatch_tpu
-from meshmoe.pallas_kernels.moe_gemm_combine import api as return_api, mosaic_gpu as return_mosaic
-from meshmoe.pallas_kernels.moe_gemm_combine import tpu as return_tpu
+from meshmoe.pallas_kernels.moe_gemm_return import api as return_api, mosaic_gpu as return_mosaic
+from meshmoe.pallas_kernels.moe_gemm_return import tpu as return_tpu
 from tests.pallas_kernels import harness
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
@@ -65,7 +65,7 @@ def _moe_layer(dispatch_backend: str, return_backend: str):
   def layer(x_TD, experts_TK, combine_TK, gate, up, down):
     t, k = experts_TK.shape
     token_A = jnp.arange(t * k) // k
-    plan = moe_routing.make_plan(experts_TK.reshape(-1), ("a",), E_LOCAL, TM)
+    plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("a",), E_LOCAL, TM)
     g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "a", tile_rows=TM, backend=dispatch_backend)
     y_AD = return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "a", backend=return_backend)
     weighted = y_AD * combine_TK.reshape(-1)[:, None]
@@ -102,7 +102,7 @@ def test_plan_moves_every_assignment_to_its_expert_and_back(p, seed, skew):
   experts = experts.astype(np.int32)
   x, combine, gate, up, down = _parameters(p, seed % 1000)
   mesh = harness.cpu_mesh((p, 1))
-  out = harness.per_device(_moe_layer("reference", "reference"), mesh, (SPEC,) * 6, SPEC)(
+  out = harness.per_device(_moe_layer("collectives", "collectives"), mesh, (SPEC,) * 6, SPEC)(
       x, experts, combine, gate, up, down)
   assert_close(out, _numpy_moe(x, experts, combine, gate, up, down), FP32_MODULE_RTOL, f"{skew} p={p}")
 
@@ -117,7 +117,7 @@ def test_twins_equal_the_references_without_races(p, case):
   def stages(dispatch, gemm_return):
     def per_device(x_TD, experts_TK, gate, up, down):
       t, k = experts_TK.shape
-      plan = moe_routing.make_plan(experts_TK.reshape(-1), ("a",), E_LOCAL, TM)
+      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("a",), E_LOCAL, TM)
       xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, TM, plan.send_dst.shape[0])
       xr, g, u = dispatch(xs, (gate, up), plan, ("a",))
       return xr, g, u, gemm_return((jax.nn.silu(g) * u,), (down,), plan, ("a",))
@@ -150,7 +150,7 @@ def test_fused_gradients_equal_the_reference(case):
 
   fused = grads("tpu_interpret")(x, experts, combine, gate, up, down)
   assert not harness.races_found()
-  expected = grads("reference")(x, experts, combine, gate, up, down)
+  expected = grads("collectives")(x, experts, combine, gate, up, down)
   for got, want, name in zip(fused, expected, ("tokens", "gate", "up", "down")):
     assert_close(got, want, FP32_MODULE_RTOL, f"gradient of {name}")
 
@@ -175,7 +175,7 @@ def test_mosaic_kernels_of_a_moe_layer_compile_for_8_h100s_forward_and_backward(
     def layer(x_TD, gate, up, down):
       t, k = experts_TK.shape
       token_A = jnp.arange(t * k) // k
-      plan = moe_routing.make_plan(experts_TK.reshape(-1), ("x",), E_LOCAL, 64)
+      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), E_LOCAL, 64)
       g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "x", tile_rows=64, backend="mosaic_gpu")
       y_AD = return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "x", backend="mosaic_gpu")
       return jnp.sum(y_AD.astype(jnp.float32) * combine_TK.reshape(-1)[:, None])
@@ -205,7 +205,7 @@ def test_mosaic_compute_path_equals_the_reference(num_sms):
   def stages(dispatch, gemm_return):
     def per_device(x_TD, experts_TK, gate, down):
       t, k = experts_TK.shape
-      plan = moe_routing.make_plan(experts_TK.reshape(-1), ("x",), e_local, 64)
+      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, 64)
       xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, 64, plan.send_dst.shape[0])
       xr, h = dispatch(xs, (gate,), plan, ("x",))
       return xr, h, gemm_return((h,), (down,), plan, ("x",))
@@ -233,7 +233,7 @@ def test_mosaic_kernels_lower_at_full_size_widths():
 
   def per_device(x_TD, experts_TK, gate, up, down):
     t, k = experts_TK.shape
-    plan = moe_routing.make_plan(experts_TK.reshape(-1), ("x",), 1, 64)
+    plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), 1, 64)
     g, u = dispatch_api.dispatch_gemm(x_TD[jnp.arange(t * k) // k], (gate, up), plan, "x", tile_rows=64,
                                       backend="mosaic_gpu")
     return return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "x", backend="mosaic_gpu")

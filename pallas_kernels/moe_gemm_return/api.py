@@ -1,4 +1,4 @@
-"""Grouped GEMM + combine: the public function, which picks the implementation.
+"""Grouped GEMM + return: the public function, which picks the implementation.
 
   y_AD = gemm_return(hs, weights, plan, axes, backend=...)   # inside shard_map over the expert ring
   then meshmoe.sharding.dispatch.combine(y_AD, ...)         # the owner's weighted top-k sum, float32
@@ -27,17 +27,17 @@ from meshmoe.pallas_kernels import moe_backends, moe_routing, mosaic_tiles, ring
 from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
 from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic
-from meshmoe.pallas_kernels.moe_gemm_combine import mosaic_gpu, reference
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_gemm_return import mosaic_gpu, reference
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
 
-def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Plan, axes, *, backend: str,
+def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes, *, backend: str,
                 tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
   """y_AD: each assignment's expert output, back on its owner."""
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
-  if backend == "reference":
+  if backend == "collectives":
     ret_SD = reference.gemm_return(tuple(hs), tuple(weights), plan, axes)
   else:
     ret_SD = _fused(Options(backend, tiles, num_sms), axes, tuple(hs), tuple(weights), plan)

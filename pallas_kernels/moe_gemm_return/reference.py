@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshmoe.pallas_kernels import ring
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.ring import Axes
 
 
-def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Plan, axes: Axes) -> jax.Array:
+def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes: Axes) -> jax.Array:
   """ret_SD: see the module docstring. hs_i: [R, F_i]; weights_i: [E_l, F_i, D]."""
   s_tiles, r_tiles = plan.send_dst.shape[0], plan.recv_expert.shape[0]
   tm, d = hs[0].shape[0] // r_tiles, weights[0].shape[2]

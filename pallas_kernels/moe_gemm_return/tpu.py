@@ -17,13 +17,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from meshmoe.pallas_kernels import ring
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.ring import Axes
 
 _SCALARS = ("recv_expert", "recv_src", "recv_src_tile", "num_recv", "num_send")
 
 
-def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Plan, axes: Axes,
+def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes: Axes,
                 interpret=ring.INTERPRET_PARAMS) -> jax.Array:
   """ret_SD, as reference.gemm_return. hs_i: [R, F_i]; weights_i: [E_l, F_i, D]."""
   p, n = ring.size(axes), len(hs)

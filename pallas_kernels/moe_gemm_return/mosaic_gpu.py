@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from meshmoe.pallas_kernels import mosaic_tiles, ring
-from meshmoe.pallas_kernels.moe_routing import Plan
+from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from meshmoe.pallas_kernels.ring import Axes
 
@@ -37,7 +37,7 @@ def unsupported(widths: Sequence[int], d: int, dtype, tiles: Tiles = mosaic_tile
   return mosaic_tiles.unsupported(dtype, shapes, tiles)
 
 
-def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Plan, axes: Axes, *,
+def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *,
                 tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS,
                 interpret=None) -> jax.Array:
   """ret_SD, as reference.gemm_return; the plan's tile rows must be tiles.block_m. `interpret`: see

@@ -1,2 +1,0 @@
-"""Grouped GEMM + combine (Comet layer 1): expert output tiles go back to their tokens' owners as they are
-computed, where each token sums its top-k, weighted."""

@@ -1,0 +1,419 @@
+"""The parallel plan: how every parallel op runs for one (config, mesh), decided once, before tracing.
+
+`ParallelPlan.build(config, mesh)` resolves the rules preset (checking that every dimension it splits
+divides evenly), reads what the devices can do (`Hardware`) and decides, for each parallel op, which of
+its implementations runs, and why where the tier's first choice cannot. The parallel ops
+(tensor_parallel, context_parallel, expert_parallel) find the plan in the sharding context
+(`shardings.use_plan`) and dispatch through their own table of implementations by the name the plan
+gives; the cost model, the AOT report, the benchmarks and the trainer read the same plan. A run prints
+`plan.table()` at start-up and writes `plan.to_json()` to <workdir>/plan.json.
+
+One function answers each question:
+- Tiers (`parallel.impl`) are interpreted here only: `TIERS`.
+- Choices that depend on a call's shapes (does a fused kernel tile them?) are methods, `project_in`,
+  `project_out` and `expert_ffn`, which an op calls with the shapes it traces and `build` calls with the
+  shapes the config implies, to record them in `ops` (what the table, plan.json and the cost model read).
+- Layout questions, for the ops and the cost model alike: over which mesh axes a projection gathers the
+  sequence (`projection_axes`), how expert parallelism splits and gathers (`expert_layout`), how a weight
+  is placed inside an op and so which axes it is gathered over (`weight_spec` against `param_spec`), and
+  in what order the sequence must be for context-parallel attention (`sequence_order`).
+- The grouped GEMM of the unfused MoE paths (`grouped_gemm`), also for ops called with no plan active.
+
+Implementation names, per op (each op module holds the table that maps them to code):
+- attention: "local" (the sequence is not split), "allgather", "ring" (the plain ring), "zigzag_ring"
+  (causal quarter blocks, transfers ahead of compute), "ulysses";
+- projections (`<block>.project_in` / `.project_out`): "local" (nothing to gather or scatter; partial sums
+  psum-ed where tensor-parallel axes do not split the tokens), "collectives" (all-gather / reduce-scatter,
+  then or before the matmul), "ring" (the ppermute collective matmul), "fused" (a Flux kernel);
+- experts (`moe`): "local" (every expert on this device), "all_to_all" (exchange, grouped GEMM, return,
+  in `chunks` pipelined chunks), "fused" (the two Comet kernels);
+- gradient synchronisation (`gradients`): "xla" (XLA's all-reduce, inside each op's backward pass and by
+  GSPMD for the weights outside the ops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshmoe.config import MESH_AXES, Config, ParallelConfig
+from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
+from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
+from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
+from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
+from meshmoe.sharding import parallel, rules
+from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
+from meshmoe.sharding.parallel import Axes
+from meshmoe.sharding.rules import Preset, logical_to_spec
+from meshmoe.sharding.shardings import named_shardings
+
+_RESIDUAL = ("act_batch", "act_seq", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+  """What a tier (`parallel.impl`) runs, op by op, before any fallback."""
+
+  ring_attention: str  # the implementation behind attention kind "ring"
+  gathered_projection: str  # a projection that gathers (scatters) the sequence over tensor-parallel axes
+  moe_pipeline: bool  # expert parallelism in `parallel.moe_chunks` pipelined chunks (else in one pass)
+  fused_kernels: bool  # meshmoe.pallas_kernels' fused kernels where they apply, this tier's rest elsewhere
+
+
+TIERS = {
+    "reference": Tier(ring_attention="ring", gathered_projection="collectives", moe_pipeline=False,
+                      fused_kernels=False),
+    "xla": Tier(ring_attention="zigzag_ring", gathered_projection="ring", moe_pipeline=True,
+                fused_kernels=False),
+    "pallas": Tier(ring_attention="zigzag_ring", gathered_projection="ring", moe_pipeline=True,
+                   fused_kernels=True),
+}
+
+# `parallel.kernel_backend` -> the backend of meshmoe.pallas_kernels that runs the fused kernels.
+# "auto": Mosaic GPU on Hopper, the op's unfused implementation elsewhere; "collectives": every kernel's
+# plain-collective version (its reference.py), on any platform and shape, to check the tier's layouts.
+FUSED_KERNEL_BACKENDS = {"auto": "mosaic_gpu", "collectives": "collectives"}
+
+
+def grouped_gemm(requested: str, platform: str) -> str:
+  """The grouped GEMM of the unfused MoE paths: `parallel.grouped_gemm`, with "auto" resolved by platform
+  (XLA:CPU computes ragged_dot densely over every group, so CPUs get the blocked layout)."""
+  if requested != "auto":
+    return requested
+  return "blocked" if platform == "cpu" else "ragged_dot"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """What the plan needs to know of the devices (the mesh's first; a mesh is one kind of device)."""
+
+  platform: str  # "cpu", "gpu" or "tpu"
+  device_kind: str  # e.g. "NVIDIA H100 80GB HBM3"
+  compute_capability: str  # GPUs: "9.0" on Hopper; "" elsewhere
+  num_sms: int  # GPUs: streaming multiprocessors of one device (fused kernels launch a block on each); else 0
+
+  @classmethod
+  def of(cls, device: jax.Device) -> Hardware:
+    gpu = device.platform == "gpu"
+    return cls(device.platform, str(getattr(device, "device_kind", "")),
+               str(getattr(device, "compute_capability", "") or "") if gpu else "",
+               int(getattr(device, "core_count", 0) or 0) if gpu else 0)
+
+  def describe(self) -> str:
+    if self.platform != "gpu":
+      return self.platform
+    return f"{self.device_kind or 'gpu'} (compute capability {self.compute_capability}, {self.num_sms} SMs)"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpChoice:
+  """How one op runs: a key of the op's implementation table, what it does, and for fused kernels their
+  backend; `fallback` says why the tier's first choice does not run (empty when it does)."""
+
+  implementation: str
+  detail: str = ""
+  kernel_backend: str = ""
+  fallback: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertChoice(OpChoice):
+  """The routed experts' choice: besides OpChoice, how their unfused paths exchange and multiply."""
+
+  exchange: str = ""  # "ragged_all_to_all" (GPU) or "padded_all_to_all" (XLA:CPU has no ragged one)
+  grouped_gemm: str = ""  # "blocked" or "ragged_dot"
+  block_rows: int = 0  # rows per tile of the blocked GEMM; 0 chooses from the shapes
+  chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+  """Where the routed experts' work lives on the mesh (expert_parallel.py)."""
+
+  token_spec: PartitionSpec  # the tokens [B, S, ...] as the residual stream holds them
+  gate_spec: PartitionSpec  # [E, D, F] inside the op (D whole)
+  down_spec: PartitionSpec  # [E, F, D] inside the op
+  expert_axes: Axes  # split the experts: expert parallelism over their product, `ep`
+  width_axes: Axes  # split each expert's width (expert-tensor parallelism)
+  token_dim: int  # the token dimension (0 batch, 1 sequence) gathered over `gather`
+  gather: Axes  # width axes that also split the tokens: tokens gathered before, reduce-scattered after
+  reduce: Axes  # width axes that do not split the tokens: partial sums psum-ed after
+  ep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+  """The resolved preset, the devices, and each op's implementation for one (config, mesh) (module
+  docstring). Build it with `build` (a run) or `for_mesh` (calling parallel ops directly)."""
+
+  mesh: Mesh
+  preset: str
+  rules: Preset
+  parallel: ParallelConfig
+  hardware: Hardware
+  grouped_gemm: str  # resolved: "blocked" or "ragged_dot"
+  gemm_block_rows: int
+  ops: dict[str, OpChoice] = dataclasses.field(default_factory=dict)  # predicted from the config's shapes
+
+  @classmethod
+  def build(cls, config: Config, mesh: Mesh) -> ParallelPlan:
+    """The plan of a run of `config` on `mesh`. Raises ConfigError when the preset splits a dimension
+    over mesh axes whose product does not divide it."""
+    rules.check_divisibility(config, axis_sizes(mesh))
+    plan = cls.for_mesh(mesh, config.mesh.preset, config.parallel)
+    return dataclasses.replace(plan, ops=_predict(plan, config))
+
+  @classmethod
+  def for_mesh(cls, mesh: Mesh, preset: str, parallel: ParallelConfig | None = None) -> ParallelPlan:
+    """A plan without a model config: for calling parallel ops directly (tests, notebooks). Nothing is
+    checked against model shapes and `ops` is empty; the ops decide with the shapes they trace."""
+    parallel = (parallel or ParallelConfig()).validate()
+    hardware = Hardware.of(mesh.devices.flat[0])
+    return cls(mesh, preset, rules.get_preset(preset), parallel, hardware,
+               grouped_gemm(parallel.grouped_gemm, hardware.platform), parallel.gemm_block_rows)
+
+  @property
+  def tier(self) -> Tier:
+    return TIERS[self.parallel.impl]
+
+  # --- Placement ----------------------------------------------------------------------------------------
+
+  def axis_size(self, axes: Sequence[str]) -> int:
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+  def activation_spec(self, logical: Sequence[str | None]) -> PartitionSpec:
+    return logical_to_spec(logical, self.rules.activations)
+
+  def param_spec(self, logical: Sequence[str | None]) -> PartitionSpec:
+    """Where a parameter (and its gradient) is stored."""
+    return logical_to_spec(logical, self.rules.params)
+
+  def optimizer_spec(self, logical: Sequence[str | None]) -> PartitionSpec:
+    return logical_to_spec(logical, self.rules.optimizer_rules())
+
+  def weight_spec(self, logical: Sequence[str | None]) -> PartitionSpec:
+    """A weight's spec inside a parallel op: as stored, except `embed`, which FSDP splits for storage only
+    (the op needs it whole, so XLA all-gathers it over the axes `param_spec` has and this lacks)."""
+    return self.param_spec([None if name == "embed" else name for name in logical])
+
+  def activation_sharding(self, logical: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(self.mesh, self.activation_spec(logical))
+
+  def param_shardings(self, state: Any) -> Any:
+    """NamedSharding of every variable of `state` (an nnx.State, maybe abstract) under the parameter rules."""
+    return named_shardings(state, self.mesh, self.rules.params)
+
+  def optimizer_shardings(self, state: Any) -> Any:
+    """Shardings for optimizer state shaped like the parameters in `state` (ZeRO-1 splits it further)."""
+    return named_shardings(state, self.mesh, self.rules.optimizer_rules())
+
+  def batch_sharding(self) -> NamedSharding:
+    """Sharding of a [batch, seq] token array."""
+    return self.activation_sharding(("act_batch", "act_seq"))
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  # --- Layouts of the parallel ops ------------------------------------------------------------------------
+
+  def projection_axes(self, weights_logical: Sequence[Sequence[str | None]]) -> tuple[Axes, Axes]:
+    """(tensor-parallel axes, gathered axes) of a projection whose weights have these logical names: the
+    axes that split the weights' units, and of those the ones that also split the residual stream's
+    sequence, over which project_in gathers it and project_out scatters it back."""
+    specs = [self.weight_spec(names) for names in weights_logical]
+    tp_axes = tuple(dict.fromkeys(a for spec in specs for a in parallel.all_axes(spec)))
+    seq_axes = parallel.dim_axes(self.activation_spec(_RESIDUAL), 1)
+    return tp_axes, parallel.split_suffix(seq_axes, tp_axes, "tensor-parallel gather of the sequence")
+
+  def expert_layout(self) -> ExpertLayout:
+    token_spec = self.activation_spec(_RESIDUAL)
+    gate_spec = self.weight_spec(("exp", "embed", "exp_mlp"))
+    down_spec = self.weight_spec(("exp", "exp_mlp", "embed"))
+    expert_axes, width_axes = parallel.dim_axes(gate_spec, 0), parallel.dim_axes(gate_spec, 2)
+    token_dim, gather = 1, ()
+    for dim in (1, 0):  # the sequence first: gathering it keeps every device's batch rows whole
+      shared = parallel.split_suffix(parallel.dim_axes(token_spec, dim), width_axes,
+                                     "expert-tensor-parallel gather of the tokens")
+      if shared:
+        token_dim, gather = dim, shared
+        break
+    return ExpertLayout(token_spec, gate_spec, down_spec, expert_axes, width_axes, token_dim, gather,
+                        parallel.without(width_axes, gather), self.axis_size(expert_axes))
+
+  def attention_axes(self) -> Axes:
+    """The mesh axes that split the sequence inside attention."""
+    return parallel.dim_axes(self.activation_spec(QUERY_AXES), 1)
+
+  def sequence_order(self, seq_len: int) -> np.ndarray | None:
+    """The order the sequence must be in for attention (zigzag over the devices that split it: every
+    device gets an early and a late chunk, so causal work is balanced), or None when it is not split."""
+    n = self.axis_size(self.attention_axes())
+    return None if n == 1 else zigzag_order(seq_len, n)
+
+  # --- Choices ------------------------------------------------------------------------------------------
+
+  def attention(self) -> OpChoice:
+    axes = self.attention_axes()
+    if not axes:
+      return OpChoice("local", "the sequence is whole on every device")
+    kind = self.parallel.attention
+    implementation = {"allgather": "allgather", "ring": self.tier.ring_attention, "ulysses": "ulysses"}[kind]
+    fallback = "no fused attention kernel: the xla tier's" if self.tier.fused_kernels else ""
+    return OpChoice(implementation, f"sequence over {_describe_axes(self, axes)}", fallback=fallback)
+
+  def project_in(self, gather: Axes, rows: int, d: int, width: int, dtype) -> OpChoice:
+    """How a column-parallel projection x [rows, D] @ [D, width] (per device, before the gather) runs."""
+    if not gather:
+      return OpChoice("local")
+    return self._gathered_projection(
+        "project_in (all-gather GEMM)", allgather_matmul.unsupported(rows, d, width, dtype),
+        f"sequence all-gathered over {_describe_axes(self, gather)}")
+
+  def project_out(self, scatter: Axes, rows: int, contraction: int, d: int, dtype) -> OpChoice:
+    """How a row-parallel projection of [rows, contraction] blocks @ [contraction, D] runs (rows: of one
+    destination block of the reduce-scatter)."""
+    if not scatter:
+      return OpChoice("local")
+    return self._gathered_projection(
+        "project_out (GEMM reduce-scatter)", matmul_reducescatter.unsupported(rows, contraction, d, dtype),
+        f"sequence reduce-scattered over {_describe_axes(self, scatter)}")
+
+  def expert_ffn(self, ep: int, d: int, f: int, dtype) -> ExpertChoice:
+    """How the routed experts run for tokens of width d, an expert width of f per device, over ep devices."""
+    gemm = dict(grouped_gemm=self.grouped_gemm, block_rows=self.gemm_block_rows)
+    if ep == 1:
+      return ExpertChoice("local", f"every expert here; grouped GEMM {self.grouped_gemm}", **gemm)
+    fallback = ""
+    if self.tier.fused_kernels:
+      backend, fallback = self._fused_kernels(
+          "MoE dispatch/return",
+          moe_dispatch_gemm.unsupported(d, [f, f], dtype) or moe_gemm_return.unsupported([f], d, dtype))
+      if backend:
+        return ExpertChoice("fused", f"dispatch + grouped GEMM, grouped GEMM + return over {ep} devices",
+                            kernel_backend=backend)
+    chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
+    exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
+    return ExpertChoice("all_to_all", f"{chunks} chunk(s); tokens by {exchange} over {ep} devices; grouped "
+                        f"GEMM {self.grouped_gemm}", fallback=fallback, exchange=exchange, chunks=chunks, **gemm)
+
+  def _gathered_projection(self, op: str, unsupported: str | None, detail: str) -> OpChoice:
+    fallback = ""
+    if self.tier.fused_kernels:
+      backend, fallback = self._fused_kernels(op, unsupported)
+      if backend:
+        return OpChoice("fused", detail, kernel_backend=backend)
+    return OpChoice(self.tier.gathered_projection, detail, fallback=fallback)
+
+  def _fused_kernels(self, op: str, unsupported: str | None) -> tuple[str, str]:
+    """(kernel backend, "") when the fused kernels of `op` run here, else ("", why not); `unsupported` is
+    the kernels' own verdict on the call's shapes. A reason is logged once per op."""
+    backend = FUSED_KERNEL_BACKENDS[self.parallel.kernel_backend]
+    if backend == "collectives":
+      return backend, ""
+    hw = self.hardware
+    if hw.platform != "gpu":
+      reason = f"no fused kernels on {hw.platform} (Mosaic GPU needs GPUs)"
+    elif not hw.compute_capability.startswith("9."):  # WGMMA and TMA as these kernels use them: Hopper
+      reason = f"the kernels are written for Hopper (compute capability 9.x), not {hw.compute_capability or 'unknown'}"
+    elif hw.num_sms < 1:
+      reason = "the GPU does not report its number of SMs (the kernels launch one block on each)"
+    else:
+      reason = unsupported
+    if reason is None:
+      return backend, ""
+    if (op, reason) not in _FALLBACKS_LOGGED:
+      _FALLBACKS_LOGGED.add((op, reason))
+      logging.warning("parallel.impl=%r: %s runs its unfused implementation: %s", self.parallel.impl, op, reason)
+    return "", reason
+
+  # --- Reporting ----------------------------------------------------------------------------------------
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "preset": self.preset, "mesh": dict(self.mesh.shape), "hardware": dataclasses.asdict(self.hardware),
+        "parallel": dataclasses.asdict(self.parallel), "grouped_gemm": self.grouped_gemm,
+        "ops": {name: {k: v for k, v in dataclasses.asdict(choice).items() if v not in ("", 0)}
+                for name, choice in self.ops.items()},
+    }
+
+  def table(self) -> str:
+    """A short table of the plan: one line per op, then the fallbacks with their reasons."""
+    mesh = " ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
+    lines = [f"parallel plan: preset {self.preset}, tier {self.parallel.impl}, mesh {mesh} of "
+             f"{self.mesh.size} {self.hardware.describe()} device(s)"]
+    chosen = {name: choice.implementation + (f" ({choice.kernel_backend})" if choice.kernel_backend else "")
+              for name, choice in self.ops.items()}
+    names, implementations = (max(map(len, column), default=0) for column in (chosen, chosen.values()))
+    for name, choice in self.ops.items():
+      lines.append(f"  {name:{names}s}  {chosen[name]:{implementations}s}  {choice.detail}".rstrip())
+    for name, choice in self.ops.items():
+      if choice.fallback:
+        lines.append(f"  {name}: not the {self.parallel.impl} tier's first choice: {choice.fallback}")
+    return "\n".join(lines)
+
+  def write_json(self, path) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1)
+      f.write("\n")
+
+
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
+def axis_sizes(mesh: Mesh) -> dict[str, int]:
+  """The size of every mesh axis of the config (1 for an axis a hand-made mesh leaves out)."""
+  return {a: mesh.shape.get(a, 1) for a in MESH_AXES}
+
+
+def _describe_axes(plan: ParallelPlan, axes: Axes) -> str:
+  n = plan.axis_size(axes)
+  return " x ".join(axes) + f" ({n} device{'s' if n != 1 else ''})"
+
+
+def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
+  """Every op's choice for the shapes `config` gives each device (the table, plan.json, the cost model)."""
+  import jax.numpy as jnp
+
+  m, moe, t = config.model, config.model.moe, config.train
+  dtype = jnp.dtype(m.dtype)
+  residual = plan.activation_spec(_RESIDUAL)
+  rows = (t.global_batch_size // t.grad_accum_steps // plan.axis_size(parallel.dim_axes(residual, 0))
+          * (t.seq_len // plan.axis_size(parallel.dim_axes(residual, 1))))
+  ops: dict[str, OpChoice] = {"attention": plan.attention()}
+  for block, weights_in, weight_out in projection_blocks(config):
+    tp_axes, gather = plan.projection_axes([names for names, _ in weights_in])
+    local = lambda names, width: width // plan.axis_size(parallel.all_axes(plan.weight_spec(names)))
+    in_width = sum(local(names, width) for names, width in weights_in)
+    ops[f"{block}.project_in"] = plan.project_in(gather, rows, m.embed_dim, in_width, dtype)
+    ops[f"{block}.project_out"] = plan.project_out(gather, rows, local(*weight_out), m.embed_dim, dtype)
+  if m.num_layers > m.num_dense_layers:
+    lay = plan.expert_layout()
+    width = moe.expert_mlp_dim // plan.axis_size(lay.width_axes)
+    ops["moe"] = plan.expert_ffn(lay.ep, m.embed_dim, width, dtype)
+  ops["gradients"] = OpChoice("xla", "all-reduce over the devices that hold different tokens (in the ops' "
+                              "backward passes; GSPMD's outside them)")
+  return ops
+
+
+def projection_blocks(config: Config) -> list[tuple[str, list, tuple]]:
+  """The model's tensor-parallel blocks: (name, in-projections as (logical names, global width), the
+  out-projection's (logical names, global contraction width))."""
+  m, moe = config.model, config.model.moe
+  heads, kv_heads = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+  blocks = [("attention", [(heads, m.num_heads * m.head_dim), (kv_heads, m.num_kv_heads * m.head_dim),
+                           (kv_heads, m.num_kv_heads * m.head_dim)],
+             (("heads", "head_dim", "embed"), m.num_heads * m.head_dim))]
+  if m.num_dense_layers:
+    blocks.append(("dense_mlp", [(("embed", "mlp"), m.mlp_dim)] * 2, (("mlp", "embed"), m.mlp_dim)))
+  if moe.num_shared_experts and m.num_layers > m.num_dense_layers:
+    width = moe.num_shared_experts * moe.expert_mlp_dim
+    blocks.append(("shared_experts", [(("embed", "mlp"), width)] * 2, (("mlp", "embed"), width)))
+  return blocks

@@ -1,0 +1,48 @@
+"""Test helpers on top of the run's parallel plan: the plan of a config on some devices, a random batch,
+and a jitted loss-and-gradient function (the train step's loss, without the optimizer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshmoe.config import Config
+from meshmoe.models.decoder import Transformer, combine_loss_terms
+from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.training import train_step
+
+
+def plan_for(config: Config, devices: Sequence[jax.Device] | None = None) -> ParallelPlan:
+  """The plan of `config` on `devices` (default: all), its mesh built from `config.mesh`."""
+  return ParallelPlan.build(config, make_mesh(config.mesh, devices))
+
+
+def synthetic_batch(config: Config, plan: ParallelPlan, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Uniformly random (inputs_BS, targets_BS) of the config's batch shape, placed as the plan says."""
+  b, s = config.train.global_batch_size, config.train.seq_len
+  tokens = jax.random.randint(jax.random.key(seed), (b, s + 1), 0, config.model.vocab_size)
+  sharding = plan.batch_sharding()
+  return jax.device_put(tokens[:, :-1], sharding), jax.device_put(tokens[:, 1:], sharding)
+
+
+def make_loss_and_grad(model: Transformer, config: Config, plan: ParallelPlan) -> Callable[..., Any]:
+  """Jitted f(params, others, inputs_BS, targets_BS) -> (loss, terms, grads): the train step's loss of one
+  unmasked batch (train_step.loss_terms) and its gradient, placed like the parameters."""
+  graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+  grad_shardings = plan.param_shardings(params)
+
+  def loss_and_grad(params, others, inputs_BS, targets_BS):
+    def loss_of(params):
+      batch = {"inputs": inputs_BS, "targets": targets_BS, "mask": jnp.ones(inputs_BS.shape, jnp.float32)}
+      terms = train_step.loss_terms(graphdef, params, others, batch, plan)
+      return combine_loss_terms(terms, config.model.moe, terms["tokens"], num_microbatches=1), terms
+
+    (loss, terms), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    return loss, terms, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+  return jax.jit(loss_and_grad)

@@ -1,0 +1,243 @@
+"""The parallel plan (meshmoe.sharding.plan): one place decides how every parallel op runs.
+
+- The tier table and the config agree, and every implementation the plan names is one its op has.
+- Fused kernels: Mosaic GPU on Hopper GPUs for shapes that tile, the op's unfused implementation elsewhere
+  (said once in the log, and in the plan with the reason), the kernels' plain-collective versions with
+  `parallel.kernel_backend="collectives"` anywhere.
+- The cost model follows the plan (a non-Hopper GPU gets no kernel accounting), and what the plan predicts
+  is what the compiled step contains.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from absl import logging
+
+from experiments.configs import tiny_moe
+from meshmoe import config as config_lib
+from meshmoe.analysis import cost_collectives, cost_kernels, cost_model, deviceless
+from meshmoe.config import MeshConfig, ParallelConfig
+from meshmoe.models.layers import swiglu_hidden
+from meshmoe.sharding import context_parallel, expert_parallel, grouped_ffn, plan as plan_lib, tensor_parallel
+from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding.plan import Hardware, ParallelPlan
+from meshmoe.sharding.shardings import use_plan
+from meshmoe.training import train_step
+
+# Each preset on a layout that exercises it.
+LAYOUTS = {"dp": (8, 1, 1, 1), "fsdp": (8, 1, 1, 1), "zero1": (8, 1, 1, 1), "ep": (2, 4, 1, 1),
+           "tp_sp": (2, 2, 2, 1), "megascale": (2, 2, 1, 2)}
+
+
+def _config(preset="ep", impl="reference", dtype="float32", **parallel):
+  config = tiny_moe.get_config()
+  config.mesh = MeshConfig(**dict(zip(("data", "expert", "tensor", "sequence"), LAYOUTS[preset])), preset=preset)
+  config.parallel = ParallelConfig(impl=impl, **parallel)
+  config.model.dtype = dtype
+  return config.validate(8)
+
+
+def _gpu_plan(**parallel) -> ParallelPlan:
+  mesh = deviceless.gpu_mesh((8,), ("data",))
+  return ParallelPlan.for_mesh(mesh, "dp", ParallelConfig(**parallel))
+
+
+def test_the_config_lists_the_tiers_and_kernel_backends_the_plan_knows():
+  assert config_lib.IMPLS == tuple(plan_lib.TIERS)
+  assert config_lib.KERNEL_BACKENDS == tuple(plan_lib.FUSED_KERNEL_BACKENDS)
+
+
+@pytest.mark.parametrize("impl", config_lib.IMPLS)
+@pytest.mark.parametrize("preset", list(LAYOUTS))
+def test_every_choice_is_an_implementation_of_its_op(preset, impl):
+  tables = {"attention": context_parallel.IMPLEMENTATIONS, "project_in": tensor_parallel.PROJECT_IN,
+            "project_out": tensor_parallel.PROJECT_OUT, "moe": expert_parallel.IMPLEMENTATIONS,
+            "gradients": {"xla"}}
+  for attention in config_lib.ATTENTION_KINDS:
+    config = _config(preset, impl, attention=attention, kernel_backend="collectives")
+    config.model.num_heads, config.model.num_kv_heads = 8, 4  # Ulysses splits them over 4 devices
+    plan = ParallelPlan.build(config, make_mesh(config.mesh))
+    assert set(plan.ops) >= {"attention", "attention.project_in", "attention.project_out", "moe", "gradients"}
+    for name, choice in plan.ops.items():
+      assert choice.implementation in tables[name.split(".")[-1]], (name, choice)
+    json.dumps(plan.to_json())  # plan.json holds plain data
+    assert all(name in plan.table() for name in plan.ops)
+
+
+def test_the_tier_picks_each_op_s_implementation():
+  chosen = {}
+  for impl in config_lib.IMPLS:
+    config = _config("tp_sp", impl, attention="ring", kernel_backend="collectives")
+    ops = ParallelPlan.build(config, make_mesh(config.mesh)).ops
+    chosen[impl] = (ops["attention"].implementation, ops["attention.project_in"].implementation,
+                    ops["moe"].implementation, ops["moe"].chunks)
+  assert chosen == {"reference": ("ring", "collectives", "all_to_all", 1),
+                    "xla": ("zigzag_ring", "ring", "all_to_all", 2),
+                    "pallas": ("zigzag_ring", "fused", "fused", 1)}
+
+
+def test_hopper_gpus_get_the_mosaic_kernels_for_shapes_that_tile():
+  plan = _gpu_plan(impl="pallas")
+  assert plan.hardware.num_sms == 132 and plan.hardware.compute_capability.startswith("9.")
+  tiles = plan.project_in(("data",), rows=256, d=512, width=512, dtype=jnp.bfloat16)
+  assert (tiles.implementation, tiles.kernel_backend, tiles.fallback) == ("fused", "mosaic_gpu", "")
+  odd = plan.project_in(("data",), rows=256, d=512, width=100, dtype=jnp.bfloat16)
+  assert odd.implementation == "ring" and "is not a multiple of its tile" in odd.fallback
+  float32 = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.float32)
+  assert float32.implementation == "all_to_all" and "float32" in float32.fallback
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_other_tiers_never_use_kernels(impl):
+  plan = _gpu_plan(impl=impl)
+  assert plan.project_in(("data",), 256, 512, 512, jnp.bfloat16).implementation != "fused"
+  assert plan.expert_ffn(8, 512, 512, jnp.bfloat16).implementation == "all_to_all"
+
+
+def test_cpu_falls_back_and_says_so_once(monkeypatch):
+  messages = []
+  monkeypatch.setattr(logging, "warning", lambda fmt, *args: messages.append(fmt % args))
+  plan = ParallelPlan.for_mesh(make_mesh(MeshConfig(data=8, preset="ep")), "ep",
+                               ParallelConfig(impl="pallas", moe_chunks=3))
+  for _ in range(3):
+    choice = plan.expert_ffn(ep=8, d=17, f=5, dtype=jnp.bfloat16)
+  assert (choice.implementation, choice.chunks, choice.exchange) == ("all_to_all", 3, "padded_all_to_all")
+  assert choice.fallback == "no fused kernels on cpu (Mosaic GPU needs GPUs)"
+  assert len(messages) == 1 and "MoE dispatch/return runs its unfused implementation: no fused kernels on cpu" \
+      in messages[0]
+
+
+@pytest.mark.parametrize("devices", ["cpu", "h100"])
+def test_collectives_kernel_backend_runs_anywhere(devices):
+  mesh = (make_mesh(MeshConfig(data=8, preset="dp")) if devices == "cpu"
+          else deviceless.gpu_mesh((8,), ("data",)))
+  plan = ParallelPlan.for_mesh(mesh, "dp", ParallelConfig(impl="pallas", kernel_backend="collectives"))
+  choice = plan.project_out(("data",), rows=3, contraction=5, d=7, dtype=jnp.float32)
+  assert (choice.implementation, choice.kernel_backend) == ("fused", "collectives")
+
+
+def test_a_gpu_other_than_hopper_runs_unfused_and_the_cost_model_agrees(monkeypatch):
+  """The plan, and so the cost model, read the GPU generation: on an A100 (compute capability 8.0) the
+  pallas tier's kernels do not run and nothing is accounted inside them."""
+  config = _config("ep", "pallas", "bfloat16")
+  mesh = make_mesh(config.mesh, deviceless.gpu_devices(8))
+  hopper = ParallelPlan.build(config, mesh)
+  assert hopper.ops["moe"].implementation == "fused"
+  assert cost_model.flops_in_kernels(config, hopper) > 0
+  a100 = Hardware("gpu", "NVIDIA A100-SXM4-80GB", "8.0", 108)
+  monkeypatch.setattr(Hardware, "of", classmethod(lambda cls, device: a100))
+  ampere = ParallelPlan.build(config, mesh)
+  assert ampere.ops["moe"].implementation == "all_to_all"
+  assert "written for Hopper (compute capability 9.x), not 8.0" in ampere.ops["moe"].fallback
+  assert cost_model.flops_in_kernels(config, ampere) == 0
+  kinds = {cost.kind for cost in cost_collectives.collective_costs(config, ampere)}
+  assert "ragged-all-to-all" in kinds and not kinds & set(cost_kernels.FUSED_KINDS)
+
+
+def test_plain_collective_kernels_are_accounted_as_hlo_collectives():
+  config = _config("ep", "pallas", kernel_backend="collectives")
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  assert plan.ops["moe"].implementation == "fused" and plan.ops["moe"].kernel_backend == "collectives"
+  assert cost_model.flops_in_kernels(config, plan) == 0
+  kinds = {cost.kind for cost in cost_collectives.collective_costs(config, plan)}
+  assert not kinds & set(cost_kernels.FUSED_KINDS)
+
+
+@pytest.mark.parametrize("gemm, dense", [("blocked", False), ("ragged_dot", True)])
+def test_the_grouped_gemm_is_the_plan_s(gemm, dense):
+  """parallel.grouped_gemm reaches the op through the plan: XLA:CPU multiplies ragged_dot densely, every
+  row by every expert (8 here), the blocked layout only each row's expert."""
+  mesh = make_mesh(MeshConfig(data=8, preset="dp"))
+  plan = ParallelPlan.for_mesh(mesh, "dp", ParallelConfig(grouped_gemm=gemm))
+  b, s, d, f, e = 8, 64, 32, 64, 8
+  x = jax.ShapeDtypeStruct((b, s, d), jnp.float32, sharding=plan.activation_sharding(("act_batch", "act_seq", None)))
+  routing = jax.ShapeDtypeStruct((b, s, 2), jnp.int32, sharding=x.sharding)
+  w = grouped_ffn.ExpertWeights(*(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=plan.replicated())
+                                  for shape in [(e, d, f), (e, d, f), (e, f, d)]))
+
+  def moe(x, experts, w):
+    with use_plan(plan):
+      return expert_parallel.moe_ffn(x, experts, jnp.ones(experts.shape, jnp.float32), w, swiglu_hidden)
+
+  cost = jax.jit(moe).lower(x, routing, w).compile().cost_analysis()
+  flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  useful = b * s // 8 * 2 * 2 * 3 * d * f  # per device
+  assert (flops > 4 * useful) == dense, (flops, useful)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_what_the_plan_predicts_is_what_the_compiled_step_runs(dtype):
+  """tiny_moe under tp_sp with the pallas tier, compiled for 8 H100s: in bfloat16 the plan predicts the
+  fused kernels for the projections and the experts, and the compiled step calls Mosaic GPU kernels; in
+  float32 (which the kernels do not take) it predicts none, and the step calls none."""
+  config = _config("tp_sp", "pallas", dtype)
+  plan = ParallelPlan.build(config, make_mesh(config.mesh, deviceless.gpu_devices(8)))
+  fused = {name for name, choice in plan.ops.items() if choice.implementation == "fused"}
+  trainer, state = train_step.create_abstract(config, plan)
+  hlo = deviceless.compile_for_analysis(trainer.train_step.lower(state, train_step.abstract_batch(config, plan)))
+  kernels = hlo.as_text().count('custom_call_target="mosaic_gpu')
+  if dtype == "bfloat16":
+    # Each direction is decided on its own shapes: attention's output projection contracts 64 columns per
+    # device, which its backward all-gather GEMM does not tile, so it runs the ring while the rest fuse.
+    assert fused == {"attention.project_in", "dense_mlp.project_in", "dense_mlp.project_out", "moe"}, plan.table()
+    assert plan.ops["attention.project_out"].implementation == "ring"
+    assert "N=64 is not a multiple of its tile 128" in plan.ops["attention.project_out"].fallback
+    assert kernels >= 2 * len(fused)  # each kernel forward, and its dual in the backward pass
+  else:
+    assert not fused and kernels == 0, plan.table()
+    assert all("float32" in plan.ops[name].fallback for name in ("attention.project_in", "moe"))
+
+
+def test_plan_json_and_table_name_every_op_and_fallback():
+  config = _config("megascale", "pallas", attention="ring")
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  data = json.loads(json.dumps(plan.to_json()))
+  assert data["preset"] == "megascale" and data["mesh"] == {"data": 2, "expert": 2, "tensor": 1, "sequence": 2}
+  assert data["ops"]["attention"]["implementation"] == "zigzag_ring"
+  assert data["ops"]["moe"]["fallback"] == "no fused kernels on cpu (Mosaic GPU needs GPUs)"
+  table = plan.table()
+  assert table.splitlines()[0].startswith("parallel plan: preset megascale, tier pallas")
+  assert "moe: not the pallas tier's first choice: no fused kernels on cpu" in table
+
+
+def test_sequence_order_is_zigzag_over_the_attention_devices():
+  config = _config("megascale")
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  assert plan.attention_axes() == ("expert", "sequence")
+  order = plan.sequence_order(16)
+  assert list(order) == list(context_parallel.zigzag_order(16, 4))
+  assert ParallelPlan.build(_config("ep"), make_mesh(_config("ep").mesh)).sequence_order(16) is None
+
+
+def test_layouts_are_the_ones_the_ops_use():
+  config = _config("tp_sp")
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  tp_axes, gather = plan.projection_axes([("embed", "heads", "head_dim")])
+  assert tp_axes == ("tensor",) and gather == ("tensor",)
+  experts = plan.expert_layout()
+  assert (experts.expert_axes, experts.width_axes, experts.gather, experts.reduce, experts.ep) == \
+      (("expert",), ("tensor",), ("tensor",), (), 2)
+  assert plan.weight_spec(("exp", "embed", "exp_mlp")) == jax.sharding.PartitionSpec("expert", None, "tensor")
+  fsdp = ParallelPlan.build(_config("fsdp"), make_mesh(_config("fsdp").mesh))
+  assert fsdp.param_spec(("embed", "mlp"))[0] == ("data", "expert", "tensor", "sequence")
+  assert fsdp.weight_spec(("embed", "mlp")) == jax.sharding.PartitionSpec(None, None)  # gathered for use
+
+
+def test_hardware_of_a_deviceless_h100():
+  hardware = Hardware.of(deviceless.gpu_devices(1)[0])
+  assert dataclasses.astuple(hardware)[0] == "gpu" and hardware.num_sms == 132
+  assert "132 SMs" in hardware.describe()
+  assert Hardware.of(jax.devices()[0]) == Hardware("cpu", jax.devices()[0].device_kind, "", 0)
+
+
+def test_unknown_tier_or_preset_is_one_config_error():
+  mesh = make_mesh(MeshConfig(data=8, preset="dp"))
+  with pytest.raises(config_lib.ConfigError, match="parallel.impl='triton' is invalid"):
+    ParallelPlan.for_mesh(mesh, "dp", ParallelConfig(impl="triton"))
+  with pytest.raises(config_lib.ConfigError, match="mesh.preset='pp' is invalid"):
+    ParallelPlan.for_mesh(mesh, "pp")
+
