@@ -28,8 +28,8 @@ Implementations (`IMPLEMENTATIONS`; the plan picks one from the kind and the tie
 `local` (the sequence is whole), `allgather`, `ring` and `ulysses` as above, and `zigzag_ring`, the
 ring of the `xla` tier: the K/V/position block for the next step is sent before the block at hand is
 computed (the transfer depends on nothing the step computes, so XLA overlaps it), and only the causally
-needed c x c quarter blocks are computed, 2n+1 per device like `allgather` instead of 4n. Device r holds early chunk r and late chunk 2n-1-r; the block at
-step s comes from device src = (r - s) mod n:
+needed c x c quarter blocks are computed, 2n+1 per device like `allgather` instead of 4n. Device r holds
+early chunk r and late chunk 2n-1-r; the block at step s comes from device src = (r - s) mod n:
 - step 0 (src = r): early q x early k (diagonal), late q x early k (all visible), late q x late k
   (diagonal);
 - src < r: both q chunks see all of src's early chunk (src < r) and nothing of its late one

@@ -1,9 +1,9 @@
 """The `xla` tier of expert parallelism (sharding/moe_pipeline.py): chunked dispatch -> GEMM -> combine.
 
 It must be the reference's function: equal to grouped_ffn.moe_local on one device, the whole output and
-the gradients, on the layouts and loads of test_expert_parallel.py. Its compiled programs must show the chunking: on CPU C
-times the token all-to-alls, each 1/C of the buffer; compiled deviceless for 8 H100s, C times the
-ragged-all-to-alls, and a GEMM scheduled while a token exchange is in flight (never so in the reference).
+the gradients, on the layouts and loads of test_expert_parallel.py. Its compiled programs must show the
+chunking: on CPU C times the token all-to-alls, each 1/C of the buffer; compiled deviceless for 8 H100s, C
+times the ragged-all-to-alls, and a GEMM scheduled while a token exchange is in flight (never so in the reference).
 The last tests hold both tiers' GPU exchange to a backward without an all-reduce of its buffers, and the
 xla tier's expert-gradient all-reduce to the reference's bytes.
 """

@@ -25,7 +25,8 @@ from typing import Any
 
 import jax
 
-from meshmoe.analysis import cost_collectives, cost_kernels, cost_model, deviceless, hlo_collectives, hlo_flops, hlo_module
+from meshmoe.analysis import (cost_collectives, cost_kernels, cost_model, deviceless, hlo_collectives, hlo_flops,
+                              hlo_module)
 from meshmoe.training import train_step
 from meshmoe.config import MESH_AXES, Config
 from meshmoe.sharding.mesh import make_mesh

@@ -2,9 +2,11 @@
 
 XLA reads XLA_FLAGS once, when the first backend starts, so a preset must be applied before anything asks
 JAX for a device: the runner and the AOT tool call `apply` first thing. Flags a user already put in
-XLA_FLAGS win over the preset's value for the same flag. An unknown flag aborts the whole process (and some
-documented flags are unknown to current jaxlib, see REFERENCE.md), so every flag here is checked against
-the installed jaxlib by tests/test_xla_flags.py. GPU flags are parsed, and ignored, on CPU-only machines.
+XLA_FLAGS win over the preset's value for the same flag. An unknown flag aborts the whole process, and some
+documented flags are unknown to current jaxlib (xla_gpu_enable_async_collectives,
+xla_gpu_enable_pipelined_collectives and xla_gpu_experimental_enable_nvshmem, seen with jaxlib 0.12.0), so
+every flag here is checked against the installed jaxlib by tests/test_xla_flags.py. GPU flags are parsed,
+and ignored, on CPU-only machines.
 
 Presets:
 - `none`: XLA's defaults.

@@ -8,7 +8,7 @@ Host-side work stays off the critical path: the loop reads each step's small hea
 while the next step runs, and otherwise waits for the device only when it logs, evaluates or saves, so
 data loading for the next step overlaps the current one.
 
-Between steps the loop applies the resilience policies (config.resilience; DESIGN.md "Resilience"): a
+Between steps the loop applies the resilience policies (config.resilience; README.md, "Multi-host runs and faults"): a
 SIGTERM stops every process at the same step with a checkpoint (meshmoe.runtime.resilience.Preemption); a
 non-finite step is skipped or halts the run (meshmoe.runtime.nonfinite); a watchdog ends the process when a
 step, evaluation or checkpoint wait hangs (meshmoe.runtime.resilience.Watchdog); processes compare their step

@@ -1,7 +1,7 @@
 """What the kernel tests share: rings of simulated CPU devices, the race detector's verdict, deviceless
 H100 meshes, and the tolerances of 16-bit kernels.
 
-Every communicating kernel is checked three ways (DESIGN.md, "Kernels"): its TPU-style twin in Pallas' TPU
+Every communicating kernel is checked three ways (ARCHITECTURE.md, "Kernels"): its TPU-style twin in Pallas' TPU
 interpreter on 4 and 8 CPU devices (`dma_execution_mode="on_wait"`, race detector on) against the
 reference; its Mosaic GPU kernel compiled for 8 H100s without a GPU; and that kernel's compute path (a
 ring of one device, which never signals) in the Mosaic GPU interpreter against the reference.
