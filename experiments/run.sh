@@ -65,10 +65,17 @@ MSG
   local want
   want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1) extras=$extras"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "meshmoe: installing pinned dependencies into $venv (extras: $extras)" >&2
-    "$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
-    "$venv/bin/python" -m pip install --disable-pip-version-check -q \
-      -c requirements/constraints.txt -e ".[$extras]"
+    # pip's own output (and the build backend's notices about editable installs) goes to a log, shown
+    # only when the install fails: a first run prints meshmoe's lines, not pages of packaging chatter.
+    local log="$venv/pip-install.log"
+    echo "meshmoe: installing pinned dependencies into $venv (extras: $extras; a few minutes the first time)" >&2
+    if ! { "$venv/bin/python" -m pip install --disable-pip-version-check --upgrade pip &&
+           "$venv/bin/python" -m pip install --disable-pip-version-check \
+             -c requirements/constraints.txt -e ".[$extras]"; } >"$log" 2>&1; then
+      tail -n 40 "$log" >&2
+      echo "meshmoe: installing the dependencies failed; the whole pip output is in $log" >&2
+      exit 1
+    fi
     echo "$want" > "$stamp"
   fi
 }
