@@ -40,8 +40,8 @@ def main(argv):
            else deviceless.COMPILE_FLAGS)
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
   config = flags.FLAGS.config
-  from meshmoe.runtime import xla_flags
   from meshmoe.config import ConfigError
+  from meshmoe.runtime import xla_flags
 
   try:
     config.validate(_DEVICES.value)

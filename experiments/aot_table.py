@@ -21,9 +21,10 @@ import sys
 from absl import app, flags
 
 from experiments import cli
+from meshmoe.config import IMPLS  # plain data: importing it starts no JAX backend
 
 _CONFIGS = flags.DEFINE_list("configs", ["tiny_moe", "moe_1b"], "experiment configs (experiments/configs/<name>.py)")
-_IMPLS = flags.DEFINE_list("impls", ["reference", "xla", "pallas"], "parallel-op tiers to compile")
+_IMPLS = flags.DEFINE_list("impls", list(IMPLS), "parallel-op tiers to compile")
 _PRESETS = flags.DEFINE_list("presets", None, "presets to compile (default: all of LAYOUTS)")
 _DEVICES = flags.DEFINE_integer("devices", 8, "GPUs to compile for")
 _OUT = flags.DEFINE_string("out", None, "also write the rows as JSON here (rewritten after every row)")
@@ -81,8 +82,6 @@ def main(argv):
 
 def _check_choices() -> None:
   """One line naming the bad value and the allowed ones, before anything compiles."""
-  from meshmoe.config import IMPLS  # no JAX import: the XLA flags are not set yet
-
   available = [p.stem for p in cli.experiment_configs()]
   for flag, values, allowed in (("configs", _CONFIGS.value, available), ("impls", _IMPLS.value, IMPLS),
                                 ("presets", _PRESETS.value or [], list(LAYOUTS))):

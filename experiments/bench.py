@@ -36,10 +36,10 @@ def main(argv):
 
   from experiments.configs import tiny_moe
   from meshmoe.analysis import cost_collectives, cost_model, hlo_collectives
-  from meshmoe.training import train_step
   from meshmoe.config import ConfigError
   from meshmoe.sharding.mesh import make_mesh
   from meshmoe.sharding.plan import ParallelPlan
+  from meshmoe.training import train_step
 
   config = tiny_moe.get_config()
   if FLAGS.preset:

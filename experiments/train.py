@@ -48,8 +48,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --config.train.steps=10")
   if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
     logging.set_verbosity(logging.WARNING)  # library INFO logs (orbax, grain) drown the progress lines
-  from meshmoe.runtime import distributed, xla_flags
   from meshmoe.config import ConfigError
+  from meshmoe.runtime import distributed, xla_flags
 
   config = flags.FLAGS.config
   config_path = pathlib.Path(flags.FLAGS["config"].config_filename)
@@ -77,12 +77,12 @@ def main(argv):
 
 def _train(config, workdir: pathlib.Path, topology, delay: float) -> int:
   """Runs the training on this process; returns the exit status."""
-  from meshmoe.runtime import distributed, resilience
-  from meshmoe.training import trainer
-  from meshmoe.training.checkpointing import CheckpointError
   from meshmoe.config import ConfigError
   from meshmoe.data.documents import DataError
+  from meshmoe.runtime import distributed, resilience
   from meshmoe.runtime.nonfinite import NonFiniteError
+  from meshmoe.training import trainer
+  from meshmoe.training.checkpointing import CheckpointError
 
   is_primary = topology.process_id == 0
   print(distributed.describe(topology), flush=True)

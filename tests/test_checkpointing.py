@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshmoe.training.checkpointing import Checkpointer, CheckpointError, fingerprints
 from meshmoe.config import CheckpointConfig
+from meshmoe.training.checkpointing import Checkpointer, CheckpointError, fingerprints
 
 
 def _state(value: float, spec=PartitionSpec("x")) -> dict:

@@ -6,8 +6,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from meshmoe.data import documents, pipeline, tokenizers
 from meshmoe.config import Config, ConfigError, DataConfig
+from meshmoe.data import documents, pipeline, tokenizers
 
 
 def _config(**data_fields) -> Config:

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from meshmoe.pallas_kernels import flux_backends, mosaic_tiles, ring
 from meshmoe.pallas_kernels.allgather_matmul import mosaic_gpu as allgather_mosaic
-from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.matmul_reducescatter import mosaic_gpu, reference
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.options import Options
 
 
 def matmul_reducescatter(y_PMK: jax.Array, w_KN: jax.Array, axes, *, backend: str,

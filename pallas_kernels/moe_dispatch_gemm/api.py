@@ -24,11 +24,11 @@ import jax
 
 from meshmoe.pallas_kernels import moe_backends, moe_routing, mosaic_tiles, ring
 from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
-from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu, reference
 from meshmoe.pallas_kernels.moe_gemm_return import mosaic_gpu as return_mosaic
 from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.options import Options
 
 
 def dispatch_gemm(rows_AD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes, *, tile_rows: int,

@@ -27,10 +27,10 @@ import jax
 
 from meshmoe.analysis import (cost_collectives, cost_kernels, cost_model, deviceless, hlo_collectives, hlo_flops,
                               hlo_module)
-from meshmoe.training import train_step
 from meshmoe.config import MESH_AXES, Config
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.training import train_step
 
 TARGETS = {"h100": "h100_sxm", "cpu": None}
 _REMAT_RECOMPUTE = {"none": 1.0, "dots": 1.0, "full": 4.0 / 3.0}  # forward again: 4 passes instead of 3

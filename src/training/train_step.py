@@ -27,12 +27,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from meshmoe.runtime import nonfinite
-from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
+from meshmoe.runtime import nonfinite
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
+from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.training.model_state import (abstract_model_state, in_sequence_order, init_model, init_optimizer_state,
                                           optimizer_state_shardings)
 
