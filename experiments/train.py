@@ -115,7 +115,8 @@ def _train(config, workdir: pathlib.Path, topology, delay: float) -> int:
         f"unigram entropy of the training data {summary.unigram_entropy:.3f} nats/token")
   for name, text in summary.samples.items():
     print(f"\nsample ({name}):\n{text}")
-  print(f"\noutputs in {workdir}/: metrics.jsonl, tensorboard/, checkpoints/, training.png, sample.txt, logs/",
+  print(f"\noutputs in {workdir}/: metrics.jsonl, plan.json, tensorboard/, checkpoints/, training.png, sample.txt, "
+        "logs/",
         flush=True)
   return 0
 

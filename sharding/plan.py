@@ -394,6 +394,12 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
     in_width = sum(local(names, width) for names, width in weights_in)
     ops[f"{block}.project_in"] = plan.project_in(gather, rows, m.embed_dim, in_width, dtype)
     ops[f"{block}.project_out"] = plan.project_out(gather, rows, local(*weight_out), m.embed_dim, dtype)
+    replicated = parallel.without(tp_axes, gather)
+    for name, what in ((f"{block}.project_in", "input gradients"), (f"{block}.project_out", "partial sums")):
+      if ops[name].implementation == "local":  # say what the matmuls need besides themselves
+        reduced = plan.axis_size(replicated) > 1
+        detail = f"{what} all-reduced over {_describe_axes(plan, replicated)}" if reduced else "no communication"
+        ops[name] = dataclasses.replace(ops[name], detail=detail)
   if m.num_layers > m.num_dense_layers:
     lay = plan.expert_layout()
     width = moe.expert_mlp_dim // plan.axis_size(lay.width_axes)
