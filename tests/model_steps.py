@@ -1,15 +1,19 @@
-"""Test helpers on top of the run's parallel plan: the plan of a config on some devices, a random batch,
-and a jitted loss-and-gradient function (the train step's loss, without the optimizer)."""
+"""Test helpers: the plan of a config on some devices, a random batch, a jitted loss-and-gradient function
+(the train step's loss, without the optimizer), and meshes of GPUs compiled for without one."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from meshmoe.analysis import deviceless
 from meshmoe.config import Config
 from meshmoe.models.decoder import Transformer, combine_loss_terms
 from meshmoe.sharding.mesh import make_mesh
@@ -46,3 +50,10 @@ def make_loss_and_grad(model: Transformer, config: Config, plan: ParallelPlan) -
     return loss, terms, jax.lax.with_sharding_constraint(grads, grad_shardings)
 
   return jax.jit(loss_and_grad)
+
+
+def gpu_mesh(shape: Sequence[int], axis_names: Sequence[str], target: str = "h100_sxm", num_hosts: int = 1) -> Mesh:
+  """A mesh of prod(shape) deviceless GPUs of `target` spread over `num_hosts` hosts, with Auto axis types;
+  devices in id order (row-major over `shape`)."""
+  devices = np.array(deviceless.gpu_devices(math.prod(shape), target, num_hosts), dtype=object)
+  return Mesh(devices.reshape(tuple(shape)), tuple(axis_names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

@@ -17,6 +17,7 @@ import pytest
 from experiments.configs import tiny_moe
 from meshmoe.analysis import aot
 from meshmoe.config import MeshConfig, ParallelConfig
+from tests.model_steps import gpu_mesh
 
 EXPLICIT_KINDS = ("all-to-all", "ragged-all-to-all", "reduce-scatter", "collective-permute")
 
@@ -143,7 +144,7 @@ def test_analysis_options_change_no_hlo():
 
   from meshmoe.analysis import deviceless
 
-  mesh = deviceless.gpu_mesh((8,), ("x",))
+  mesh = gpu_mesh((8,), ("x",))
   step = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum_scatter(jnp.tanh(x @ w) @ w.T, "x", tiled=True),
                                mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
   lowered = step.lower(jax.ShapeDtypeStruct((8 * 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("x"))),

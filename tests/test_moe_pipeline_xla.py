@@ -22,6 +22,7 @@ from meshmoe.sharding import expert_parallel, grouped_ffn, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
 from tests.test_expert_parallel import LAYOUTS, _inputs, _sharded, assert_matches, local_moe, output_and_grads
+from tests.model_steps import gpu_mesh
 
 AXES = ("data", "expert", "tensor", "sequence")
 _IDS = [f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS]
@@ -126,7 +127,7 @@ _SCHEDULER = {"xla_gpu_enable_latency_hiding_scheduler": True,
 def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_module.HloModule:
   """The op compiled deviceless for 8 H100s (grouped GEMM "auto": ragged_dot; exchanges ragged_all_to_all).
   Weights are float32, as the model's parameters; `tokens_dtype` is the compute dtype."""
-  mesh = deviceless.gpu_mesh(sizes, AXES)
+  mesh = gpu_mesh(sizes, AXES)
   plan = ParallelPlan.for_mesh(mesh, preset, parallel)
   x, experts, weights, w = _inputs("dropped")
   x = x.astype(tokens_dtype)

@@ -18,6 +18,7 @@ from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.training import train_step
 from tests.test_model_sharded import small_config
+from tests.model_steps import gpu_mesh
 
 LAYOUTS = [((1, 8, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"), ((1, 4, 2, 1), "megascale")]
 AXES = ("data", "expert", "tensor", "sequence")
@@ -78,7 +79,7 @@ def test_cpu_program_uses_all_to_all_and_gathers_no_hidden_states(sizes, preset)
 @pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
 def test_h100_program_uses_ragged_all_to_all_and_gathers_no_hidden_states(sizes, preset):
   config = _config(sizes, preset)
-  hlo = _compiled_loss_and_grad(config, deviceless.gpu_mesh(sizes, AXES))
+  hlo = _compiled_loss_and_grad(config, gpu_mesh(sizes, AXES))
   assert "ragged-all-to-all" in hlo
   assert not _token_set_collectives(hlo, config)
 

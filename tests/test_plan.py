@@ -26,6 +26,7 @@ from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import Hardware, ParallelPlan
 from meshmoe.sharding.shardings import use_plan
 from meshmoe.training import train_step
+from tests.model_steps import gpu_mesh
 
 # Each preset on a layout that exercises it.
 LAYOUTS = {"dp": (8, 1, 1, 1), "fsdp": (8, 1, 1, 1), "zero1": (8, 1, 1, 1), "ep": (2, 4, 1, 1),
@@ -41,7 +42,7 @@ def _config(preset="ep", impl="reference", dtype="float32", **parallel):
 
 
 def _gpu_plan(**parallel) -> ParallelPlan:
-  mesh = deviceless.gpu_mesh((8,), ("data",))
+  mesh = gpu_mesh((8,), ("data",))
   return ParallelPlan.for_mesh(mesh, "dp", ParallelConfig(**parallel))
 
 
@@ -113,7 +114,7 @@ def test_cpu_falls_back_and_says_so_once(monkeypatch):
 @pytest.mark.parametrize("devices", ["cpu", "h100"])
 def test_collectives_kernel_backend_runs_anywhere(devices):
   mesh = (make_mesh(MeshConfig(data=8, preset="dp")) if devices == "cpu"
-          else deviceless.gpu_mesh((8,), ("data",)))
+          else gpu_mesh((8,), ("data",)))
   plan = ParallelPlan.for_mesh(mesh, "dp", ParallelConfig(impl="pallas", kernel_backend="collectives"))
   choice = plan.project_out(("data",), rows=3, contraction=5, d=7, dtype=jnp.float32)
   assert (choice.implementation, choice.kernel_backend) == ("fused", "collectives")

@@ -24,6 +24,7 @@ from tests.test_context_parallel import (_FAST_COMPILE, LAYOUTS, _count, _mesh, 
                                          _spec)
 from tests.test_tensor_parallel_xla import overlapped_transfers
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
+from tests.model_steps import gpu_mesh
 
 B, H = 2, 8
 
@@ -116,7 +117,7 @@ def test_h100_program_overlaps_the_transfers_with_matmuls(implementation):
   # Compiled deviceless for 8 H100s, forward and backward: the zigzag ring (xla tier) has a matmul between
   # the start and the done of every collective-permute. The plain ring's independent steps let XLA merge its score
   # matmuls across steps, so that most of its transfers overlap nothing (seen: 22 of 32).
-  mesh = deviceless.gpu_mesh((8,), ("seq",))
+  mesh = gpu_mesh((8,), ("seq",))
   sharding = NamedSharding(mesh, P(None, "seq"))
   q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16, sharding=sharding)
   pos = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=sharding)

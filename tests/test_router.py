@@ -10,10 +10,11 @@ from flax import nnx
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshmoe.analysis import deviceless, hlo_collectives
+from meshmoe.analysis import hlo_collectives
 from meshmoe.config import MoEConfig
 from meshmoe.models.router import Router, top_k_experts, update_expert_bias
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
+from tests.model_steps import gpu_mesh
 
 D, E = 8, 4
 
@@ -136,7 +137,7 @@ def test_routing_compiled_for_h100_keeps_tokens_on_their_devices():
   """Batch split over 2 devices and sequence over 4 (the megascale layout), compiled for 8 H100s: the
   routing (choice, weights and losses) needs only all-reduces of per-expert sums. With `lax.top_k` XLA's
   GPU partitioner all-gathered every token's scores to every device."""
-  mesh = deviceless.gpu_mesh((2, 4), ("data", "sequence"))
+  mesh = gpu_mesh((2, 4), ("data", "sequence"))
   tokens = NamedSharding(mesh, PartitionSpec("data", "sequence", None))
   router = Router(D, MoEConfig(num_experts=16, top_k=4), std=0.5, rngs=nnx.Rngs(0))
 

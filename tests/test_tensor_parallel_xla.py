@@ -25,6 +25,7 @@ from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
+from tests.model_steps import gpu_mesh
 
 B, S, D, N, H, F = 4, 16, 8, 8, 4, 16
 QKV = [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"), ("embed", "kv_heads", "head_dim")]
@@ -202,7 +203,7 @@ def overlapped_transfers(hlo: str) -> tuple[int, list[str]]:
 
 
 def test_h100_program_overlaps_the_transfers_with_matmuls():
-  mesh = deviceless.gpu_mesh((1, 1, 8, 1), AXES)
+  mesh = gpu_mesh((1, 1, 8, 1), AXES)
   b, s, d = 2, 1024, 1024
   plan = ParallelPlan.for_mesh(mesh, "tp_sp", ParallelConfig(impl="xla"))
   x = jax.ShapeDtypeStruct((b, s, d), jnp.bfloat16, sharding=plan.activation_sharding(("act_batch", "act_seq", None)))

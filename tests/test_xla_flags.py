@@ -16,8 +16,9 @@ from meshmoe.runtime import xla_flags
 _PROGRAM = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 from meshmoe.analysis import deviceless
-mesh = deviceless.gpu_mesh((8,), ("x",))
+mesh = Mesh(deviceless.gpu_devices(8), ("x",))
 def step(w, x):
   def layer(x, w):
     return jnp.tanh(x @ w), None

@@ -9,13 +9,9 @@ GPU HLO, its `memory_analysis()` and `cost_analysis()`. Run under JAX_PLATFORMS=
 from __future__ import annotations
 
 import importlib.resources
-import math
-from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.experimental import topologies
-from jax.sharding import Mesh
 
 TARGETS = ("h100_sxm",)
 # XLA flags a deviceless compile needs. Large sorts (the MoE dispatch sorts 10^5+ assignments) become
@@ -55,11 +51,3 @@ def gpu_devices(num_devices: int, target: str = "h100_sxm", num_hosts: int = 1) 
     raise RuntimeError("deviceless GPU compilation needs the CUDA PJRT plugin: "
                        "pip install -e '.[deviceless]' (no GPU or CUDA libraries needed)") from error
   return list(topology.devices)
-
-
-def gpu_mesh(shape: Sequence[int], axis_names: Sequence[str], target: str = "h100_sxm",
-             num_hosts: int = 1) -> Mesh:
-  """A mesh of prod(shape) GPUs of `target` spread over `num_hosts` hosts, with Auto axis types; devices
-  in id order (row-major over `shape`)."""
-  devices = np.array(gpu_devices(math.prod(shape), target, num_hosts), dtype=object).reshape(tuple(shape))
-  return Mesh(devices, tuple(axis_names), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshmoe.analysis import deviceless
+from tests.model_steps import gpu_mesh
 
 # A 16-bit result rounds the float32 sum once: one bfloat16 unit in the last place of the largest entry.
 BF16_RTOL = 2.0**-7
@@ -48,7 +48,7 @@ def races_found() -> bool:
 
 
 def h100_mesh(n: int = 8) -> Mesh:
-  return deviceless.gpu_mesh((n,), ("x",))
+  return gpu_mesh((n,), ("x",))
 
 
 def abstract(mesh: Mesh, shape, dtype, spec) -> jax.ShapeDtypeStruct:
