@@ -71,12 +71,7 @@ def create(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainState]:
   state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, others=others,
                      opt_state=opt_state,
                      rng=jax.device_put(jax.random.PRNGKey(config.train.seed), replicated))
-  shardings = jax.tree.map(lambda x: x.sharding, state)
-  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
-  trainer = Trainer(graphdef, optimizer, schedule,
-                    _make_train_step(graphdef, optimizer, schedule, config, plan, shardings),
-                    _make_eval_step(graphdef, config, plan), shardings)
-  return trainer, state
+  return _trainer(graphdef, optimizer, config, plan, state), state
 
 
 def create_abstract(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainState]:
@@ -94,12 +89,15 @@ def create_abstract(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainS
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                      others=others, opt_state=opt_state,
                      rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
+  return _trainer(graphdef, optimizer, config, plan, state), state
+
+
+def _trainer(graphdef, optimizer, config: Config, plan: ParallelPlan, state: TrainState) -> Trainer:
+  """The jitted steps for `state` (arrays or their abstract shapes, placed as the plan says)."""
   shardings = jax.tree.map(lambda x: x.sharding, state)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
-  trainer = Trainer(graphdef, optimizer, schedule,
-                    _make_train_step(graphdef, optimizer, schedule, config, plan, shardings),
-                    _make_eval_step(graphdef, config, plan), shardings)
-  return trainer, state
+  train = _make_train_step(graphdef, optimizer, schedule, config, plan, shardings)
+  return Trainer(graphdef, optimizer, schedule, train, _make_eval_step(graphdef, config, plan), shardings)
 
 
 def process_rows(config: Config, plan: ParallelPlan) -> range:
