@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -380,8 +381,6 @@ def _describe_axes(plan: ParallelPlan, axes: Axes) -> str:
 
 def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
   """Every op's choice for the shapes `config` gives each device (the table, plan.json, the cost model)."""
-  import jax.numpy as jnp
-
   m, moe, t = config.model, config.model.moe, config.train
   dtype = jnp.dtype(m.dtype)
   residual = plan.activation_spec(_RESIDUAL)
