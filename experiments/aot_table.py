@@ -15,7 +15,6 @@ sweep that is stopped (each full-size row compiles for minutes) keeps the rows i
 
 import json
 import os
-import pathlib
 import sys
 
 from absl import app, flags

@@ -60,7 +60,7 @@ def grouped_ffn(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, activati
                 block_rows: int = 0) -> jax.Array:
   """y_RD[r] = the FFN of expert `expert_R[r]` applied to x_RD[r]; zero where expert_R[r] == E. `gemm` is
   the layout, "blocked" or "ragged_dot" (module docstring)."""
-  num_rows, num_experts = x_RD.shape[0], w.num_experts
+  num_experts = w.num_experts
   order_R = jnp.argsort(expert_R, stable=True)  # by expert; the E rows (zeros) last
   sorted_expert_R = expert_R[order_R]
   sizes_E = jnp.bincount(expert_R, length=num_experts)  # ids == E are not counted
