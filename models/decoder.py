@@ -15,10 +15,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from meshmoe.config import ModelConfig, MoEConfig
+from meshmoe.models import output
 from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.moe import MoEBlock, MoEStats
@@ -100,8 +100,20 @@ class Transformer(nnx.Module):
                        else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std))
 
   def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
-    """Float32 logits [B, S, V] and the MoE statistics. `positions_BS` (default 0..S-1 in order) give each
+    """Float32 logits [B, S, V] and the MoE statistics, for generation and inspection (the training loss,
+    `lm_loss_terms`, never forms the logits whole). `positions_BS` (default 0..S-1 in order) give each
     token's place in its sequence when the sequence is permuted (see `lm_loss_terms`)."""
+    x_BSD, aux = self.hidden_states(tokens_BS, positions_BS)
+    if self.unembed_DV is None:
+      logits_BSV = self.embed.attend(x_BSD)
+    else:
+      logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.unembed_DV[...])
+    return constrain(logits_BSV, output.LOGITS), aux
+
+  def hidden_states(self, tokens_BS: jax.Array,
+                    positions_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
+    """The final-normed float32 hidden states [B, S, D], which the output layer turns into logits, and the
+    MoE statistics."""
     dtype = jnp.dtype(self.cfg.dtype)
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
@@ -111,13 +123,13 @@ class Transformer(nnx.Module):
     stats = None
     if self.moe_layers is not None:
       x_BSD, stats = self.moe_layers(x_BSD, positions_BS)
-    x_BSD = self.final_norm(x_BSD).astype(jnp.float32)
+    return self.final_norm(x_BSD).astype(jnp.float32), _collect(stats, self.cfg.moe.num_experts)
+
+  def output_weight(self) -> tuple[jax.Array, bool]:
+    """The output layer's weight and whether it is the tied embedding table ([V, D]; else [D, V])."""
     if self.unembed_DV is None:
-      logits_BSV = self.embed.attend(x_BSD)
-    else:
-      logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.unembed_DV[...])
-    logits_BSV = constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
-    return logits_BSV, _collect(stats, self.cfg.moe.num_experts)
+      return self.embed.table_VD[...], True
+    return self.unembed_DV[...], False
 
   def update_expert_bias(self, expert_load_LE: jax.Array) -> None:
     """Aux-loss-free balancing: moves each MoE layer's selection bias from that layer's expert load."""
@@ -149,11 +161,16 @@ def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Arra
 
   The loss is a sum over tokens, so their order does not matter: a caller may permute tokens, targets and
   mask alike (context-parallel attention wants its own order) and pass each token's place in its sequence
-  as `positions_BS` (default 0..S-1)."""
+  as `positions_BS` (default 0..S-1).
+
+  The cross-entropy is computed from the final hidden states in chunks of tokens (models/output.py), so
+  the float32 logits [B, S, V] never exist whole at a large vocabulary (`ModelConfig.logits_chunk_bytes`)."""
   mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
-  logits_BSV, aux = model(tokens_BS, positions_BS)
-  ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
-  return {"ce_sum": jnp.sum(ce_BS * mask_BS), "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,
+  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS)
+  weight, tied = model.output_weight()
+  ce_sum = output.cross_entropy_sum(x_BSD, weight, targets_BS, mask_BS, tied=tied,
+                                    chunk_bytes=model.cfg.logits_chunk_bytes)
+  return {"ce_sum": ce_sum, "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,
           "z_loss": aux.z_loss, "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L}
 
 
