@@ -47,15 +47,43 @@ Blocks accumulate with an online softmax in float32 (running max, denominator an
 commutative and masks with a large finite negative number, so a fully masked block contributes exactly
 zero and never a NaN (-inf - -inf). The running max is kept out of autodiff: the result does not depend
 on it.
+
+Kernels (`sharded_attention(..., kernel=)`, the plan's `kernel_backend` for attention). Without one (CPU,
+float32, `parallel.attention_kernel="einsum"`) each block is the einsum above: its float32 [B, G, R, Sq,
+Sk] scores and probabilities are in memory. With one, tokamax's flash attention (attention_kernels.py:
+Mosaic GPU on sm90/sm100, Pallas Triton on sm80; its plain-XLA version on CPU, for checks) computes every
+block in on-chip tiles, and the same kinds run:
+- `local`, `ulysses`: one causal kernel call over the whole sequence in order (Ulysses puts its gathered
+  zigzag rows back in order, whole chunks at a time, and the output back), differentiated by the
+  kernel's own backward;
+- `allgather`, `zigzag_ring`: the same c x c blocks, each diagonal block causal and every other one full
+  (no per-element mask: the layout decides which keys a chunk sees). The all-gather kind takes this
+  device's own two chunks first (early and late diagonal, late x early), then 2n-2 full blocks whose
+  query chunk (early for the first r, else late) and key chunk are chosen at run time; the zigzag ring's
+  blocks are those above. Blocks of one shape and mask at one step are one kernel call, stacked on a
+  leading axis (context parallelism makes blocks short; one launch keeps the GPU busy);
+- `ring`: per step, all 2c queries against each of the block's two key chunks, masked by position (the
+  kernels take, per query, the position minus the chunk's first key position, for keys at consecutive
+  positions): dense like its einsum version.
+Each kernel call returns its normalised output and softmax statistics (row max m, denominator l); blocks
+merge with the online softmax, into float32 accumulators of this device's rows. The backward is a
+custom VJP: per block, the kernel's backward with the merged output, m and l of the block's queries (so
+its p is the merged softmax's share and its dq, dk, dv the block's terms); for the rings, K/V gradients
+travel back round the ring (n-1 transfers, the forward ring's transpose), the forward's K/V blocks kept
+as residuals like autodiff of the einsum ring keeps them. The kernel path relies on the layout: original
+positions consecutive (the train step's 0..S-1), `local`'s rows in order.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshmoe.sharding import parallel
+from meshmoe.sharding import attention_kernels, parallel
 from meshmoe.sharding.shardings import current
 
 QUERY_AXES = ("act_batch", "act_attn_seq", "act_heads", None)  # the logical axes of q [B, S, N, H]
@@ -86,17 +114,23 @@ def causal_attention(q_BSNH, k_BSGH, v_BSGH, q_pos_BS, k_pos_BS) -> jax.Array:
 
 
 def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, implementation: str,
-                      axis_names: parallel.Axes) -> jax.Array:
+                      axis_names: parallel.Axes, kernel: str = "") -> jax.Array:
   """Causal attention inside jax.shard_map over a sequence split over `axis_names`, by `implementation`
-  (a key of IMPLEMENTATIONS; module docstring).
+  (a key of IMPLEMENTATIONS; module docstring), its blocks computed by `kernel`: "" for the einsum blocks,
+  else a kernel of attention_kernels.KERNELS (tokamax's flash attention; module docstring, "Kernels").
 
   q/k/v/pos are this device's rows of a sequence permuted by zigzag_order(S, n) (n: the product of the
   axes' sizes) and split contiguously over `axis_names` in that order (device index
   jax.lax.axis_index(axis_names)); pos_BS holds the rows' original positions. Heads are local. Returns
   this device's output rows, laid out like q. `zigzag_ring` relies on the zigzag layout, the others only
-  on positions; `local` takes no axes."""
+  on positions; `local` takes no axes. With a kernel, every implementation relies on the layout: the
+  original positions are consecutive (0..S-1 for the train step), `local`'s rows in order."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown context-parallel attention {implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
+  if kernel:
+    if kernel not in attention_kernels.KERNELS:
+      raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(attention_kernels.KERNELS)}")
+    return _FLASH_IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names, kernel)
   return IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
 
 
@@ -246,18 +280,226 @@ def _after(done, operand):
 
 def _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
   n = _axis_size(axes)
-  g = k_BSGH.shape[2]
-  if g % n:
-    raise ValueError(f"Ulysses attention splits the {g} local key/value heads over {n} devices: "
-                     "they must divide evenly")
+  _check_ulysses_heads(k_BSGH.shape[2], n)
   to_heads = lambda a: jax.lax.all_to_all(a, axes, 2, 1, tiled=True)  # [B, S/n, X, H] -> [B, S, X/n, H]
   pos_all = jax.lax.all_gather(pos_BS, axes, axis=1, tiled=True)
   o_BSNH = causal_attention(to_heads(q_BSNH), to_heads(k_BSGH), to_heads(v_BSGH), pos_all, pos_all)
   return jax.lax.all_to_all(o_BSNH, axes, 1, 2, tiled=True)
 
 
+
+def _check_ulysses_heads(g: int, n: int) -> None:
+  if g % n:
+    raise ValueError(f"Ulysses attention splits the {g} local key/value heads over {n} devices: "
+                     "they must divide evenly")
+
+
 IMPLEMENTATIONS = {"local": _local_attention, "allgather": _allgather_attention, "ring": _ring_attention,
                    "zigzag_ring": _zigzag_ring_attention, "ulysses": _ulysses_attention}
+
+
+# The kernel path: the same kinds with every block computed by tokamax's flash attention
+# (attention_kernels.py; module docstring, "Kernels").
+
+
+def _flash_local(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+  if axes:
+    raise ValueError(f"local attention takes no mesh axes, got {axes}")
+  return attention_kernels.causal(q_BSNH, k_BSGH, v_BSGH, kernel)  # rows in order (sharded_attention)
+
+
+def _flash_ulysses(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+  n = _axis_size(axes)
+  _check_ulysses_heads(k_BSGH.shape[2], n)
+  c = _chunk_len(q_BSNH)
+  to_heads = lambda a: jax.lax.all_to_all(a, axes, 2, 1, tiled=True)  # [B, S/n, X, H] -> [B, S, X/n, H]
+  # The rows are now the whole sequence in zigzag order; the kernel wants it in order: whole chunks move.
+  order = zigzag_order(2 * n, n)  # zigzag chunk i is natural chunk order[i]
+  chunks = lambda a, perm: a.reshape(a.shape[0], 2 * n, c, *a.shape[2:])[:, perm].reshape(a.shape)
+  natural = lambda a: chunks(to_heads(a), np.argsort(order))
+  o_BSNH = chunks(attention_kernels.causal(natural(q_BSNH), natural(k_BSGH), natural(v_BSGH), kernel), order)
+  return jax.lax.all_to_all(o_BSNH, axes, 1, 2, tiled=True)
+
+
+def _flash_allgather(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+  # Gathered outside the blocks' custom VJP: autodiff reduce-scatters the gathered K/V's gradients.
+  k_BTGH, v_BTGH, pos_BT = (jax.lax.all_gather(a, axes, axis=1, tiled=True) for a in (k_BSGH, v_BSGH, pos_BS))
+  return _flash_blocks(q_BSNH, k_BTGH, v_BTGH, pos_BS, pos_BT, axes, kernel, "allgather")
+
+
+def _flash_ring(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+  return _flash_blocks(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, axes, kernel, "ring")
+
+
+def _flash_zigzag_ring(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+  return _flash_blocks(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, axes, kernel, "zigzag_ring")
+
+
+class _Block(NamedTuple):
+  """Queries [q_start, q_start + q_len) of this device against keys [k_start, k_start + k_len) of the
+  key/value source at hand; the starts may be traced. mask: "causal" (a diagonal block), "full", or
+  "positions" (query i sees key j iff pos_j <= pos_i, for keys at consecutive positions)."""
+
+  q_start: Any
+  q_len: int
+  k_start: Any
+  k_len: int
+  mask: str
+
+
+def _schedule(kind: str, step: int, r, n: int, c: int) -> list[_Block]:
+  """The blocks device r computes at `step` (module docstring): c x c blocks of the zigzag chunks, or for
+  the plain ring both key chunks against all 2c queries, masked by position."""
+  if kind == "ring":
+    return [_Block(0, 2 * c, 0, c, "positions"), _Block(0, 2 * c, c, c, "positions")]
+  if kind == "zigzag_ring":
+    if step == 0:
+      return [_Block(0, c, 0, c, "causal"), _Block(c, c, 0, c, "full"), _Block(c, c, c, c, "causal")]
+    chunk = jnp.where((r - step) % n < r, 0, c)  # the source's device comes before this one: early q, k
+    return [_Block(chunk, c, 0, c, "full"), _Block(c, c, chunk, c, "full")]
+  # allgather, in gathered rows: this device's own two chunks (rows 2rc..2rc+2c) as in the zigzag ring's
+  # first step, then 2n-2 full blocks: the early query chunk against natural chunks 0..r-1, the late one
+  # against chunks 0..2n-2-r but r (block i is early iff i < r, so the query chunk is chosen at run time).
+  own = 2 * r * c
+  blocks = [_Block(0, c, own, c, "causal"), _Block(c, c, own, c, "full"), _Block(c, c, own + c, c, "causal")]
+  for i in range(2 * n - 2):
+    early = i < r
+    key_chunk = jnp.where(early, i, jnp.where(i - r < r, i - r, i - r + 1))
+    k_start = jnp.where(key_chunk < n, 2 * key_chunk, 4 * n - 1 - 2 * key_chunk) * c
+    blocks.append(_Block(jnp.where(early, 0, c), c, k_start, c, "full"))
+  return blocks
+
+
+def _rows(a, start, length, axis=1):
+  if isinstance(start, int) and start == 0 and length == a.shape[axis]:
+    return a
+  return jax.lax.dynamic_slice_in_dim(a, start, length, axis=axis)
+
+
+def _add_rows(acc, start, update, axis=1):
+  rows = _rows(acc, start, update.shape[axis], axis) + update.astype(acc.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(acc, rows, start, axis=axis)
+
+
+def _groups(blocks: list[_Block]) -> list[list[_Block]]:
+  """The blocks by shape and mask: each group is one kernel call, its blocks stacked on a leading axis (one
+  launch of many tiles instead of many launches of few: context parallelism makes blocks short)."""
+  groups: dict[tuple, list[_Block]] = {}
+  for block in blocks:
+    groups.setdefault((block.q_len, block.k_len, block.mask), []).append(block)
+  return list(groups.values())
+
+
+def _stacked(group: list[_Block]):
+  """(rows of a query-side array, rows of a key-side array) of every block of `group`, stacked."""
+  q_rows = lambda a, axis=1: jnp.stack([_rows(a, b.q_start, b.q_len, axis) for b in group])
+  kv_rows = lambda a: jnp.stack([_rows(a, b.k_start, b.k_len) for b in group])
+  return q_rows, kv_rows
+
+
+def _kernel_mask(group: list[_Block], q_pos_BS, k_pos_BT):
+  """The group's mask as attention_kernels takes it: "causal", "full", or query offsets [blocks, B, Sq]."""
+  if group[0].mask != "positions":
+    return group[0].mask
+  return jnp.stack([_rows(q_pos_BS, b.q_start, b.q_len) - _rows(k_pos_BT, b.k_start, 1)  # first key: [B, 1]
+                    for b in group]).astype(jnp.int32)
+
+
+def _per_query(x_BNS):
+  """[B, N, S] statistics -> [B, S, N, 1], to scale outputs laid out [B, S, N, H]."""
+  return jnp.swapaxes(x_BNS, 1, 2)[..., None]
+
+
+def _merge_rows(stats, start, block_stats):
+  """The online-softmax merge (as _merge) of one block's (normalised output, m, l) into rows from `start` of
+  the running (m, l, unnormalised output). A row no block has reached yet has m = -inf."""
+  m_BNS, l_BNS, o_BSNH = stats
+  bo_BSNH, bm_BNS, bl_BNS = block_stats
+  length = bo_BSNH.shape[1]
+  m_a, l_a, o_a = _rows(m_BNS, start, length, 2), _rows(l_BNS, start, length, 2), _rows(o_BSNH, start, length)
+  m = jnp.maximum(m_a, bm_BNS)
+  finite = jnp.where(m == -jnp.inf, 0.0, m)  # both -inf: weights exp(-inf) = 0, not exp(nan)
+  w_a, w_b = jnp.exp(m_a - finite), jnp.exp(bm_BNS - finite)
+  l = l_a * w_a + bl_BNS * w_b
+  o = o_a * _per_query(w_a) + bo_BSNH.astype(jnp.float32) * _per_query(bl_BNS * w_b)
+  put = lambda acc, new, axis: jax.lax.dynamic_update_slice_in_dim(acc, new, start, axis=axis)
+  return put(m_BNS, m, 2), put(l_BNS, l, 2), put(o_BSNH, o, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash_blocks(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, kind):
+  """The blocks of `kind` ("allgather": one source, the gathered K/V; "ring", "zigzag_ring": the local
+  K/V travelling round the ring), merged. Its backward calls the kernel's backward per block with the
+  merged statistics (attention_kernels.py), the K/V gradients travelling back round the ring."""
+  return _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, kind)[0]
+
+
+def _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, kind):
+  c = _chunk_len(q_BSNH)
+  n = _axis_size(axes)
+  r = jax.lax.axis_index(axes)
+  steps = 1 if kind == "allgather" else n
+  shift = [(i, (i + 1) % n) for i in range(n)]
+  send = lambda source: tuple(jax.lax.ppermute(a, axes, shift) for a in source)
+  b, s, heads, _ = q_BSNH.shape
+  stats = (jnp.full((b, heads, s), -jnp.inf, jnp.float32), jnp.zeros((b, heads, s), jnp.float32),
+           jnp.zeros(q_BSNH.shape, jnp.float32))
+  source = (k_BTGH, v_BTGH, k_pos_BT)
+  sources = []
+  for step in range(steps):
+    if kind == "zigzag_ring":  # as _zigzag_ring_attention: the next source leaves first, steps in order
+      incoming = send(source) if step < steps - 1 else None
+      if step:
+        stats, source = _after(stats, source)
+    sources.append(source)
+    k, v, k_pos = source
+    for group in _groups(_schedule(kind, step, r, n, c)):
+      q_rows, kv_rows = _stacked(group)
+      out = attention_kernels.forward(q_rows(q_BSNH), kv_rows(k), kv_rows(v), _kernel_mask(group, q_pos_BS, k_pos),
+                                      kernel)
+      for i, block in enumerate(group):
+        stats = _merge_rows(stats, block.q_start, [a[i] for a in out])
+    if step < steps - 1:
+      source = incoming if kind == "zigzag_ring" else send(source)
+  m_BNS, l_BNS, o_BSNH = stats
+  o_BSNH = (o_BSNH / _per_query(jnp.where(l_BNS > 0, l_BNS, 1.0))).astype(q_BSNH.dtype)
+  return o_BSNH, (q_BSNH, q_pos_BS, tuple(sources), o_BSNH, m_BNS, l_BNS)
+
+
+def _flash_blocks_bwd(axes, kernel, kind, residuals, do_BSNH):
+  q_BSNH, q_pos_BS, sources, o_BSNH, m_BNS, l_BNS = residuals
+  c = _chunk_len(q_BSNH)
+  n = _axis_size(axes)
+  r = jax.lax.axis_index(axes)
+  back = [(i, (i - 1) % n) for i in range(n)]
+  dq = jnp.zeros(q_BSNH.shape, jnp.float32)
+  arrived = None
+  # Steps in reverse: step s's K/V gradients (for the source that came from device r - s) plus those that
+  # device r + 1 computed for the same source at steps after s travel one device back, so after step 0
+  # every device holds its own K/V's gradients: n - 1 transfers, the transpose of the forward ring's.
+  for step in reversed(range(len(sources))):
+    k, v, k_pos = sources[step]
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for group in _groups(_schedule(kind, step, r, n, c)):
+      q_rows, kv_rows = _stacked(group)
+      gq, gk, gv = attention_kernels.backward(
+          q_rows(q_BSNH), kv_rows(k), kv_rows(v), _kernel_mask(group, q_pos_BS, k_pos), kernel,
+          q_rows(o_BSNH), q_rows(m_BNS, 2), q_rows(l_BNS, 2), q_rows(do_BSNH))
+      for i, block in enumerate(group):
+        dq = _add_rows(dq, block.q_start, gq[i])
+        dk, dv = _add_rows(dk, block.k_start, gk[i]), _add_rows(dv, block.k_start, gv[i])
+    if arrived is not None:
+      dk, dv = dk + arrived[0], dv + arrived[1]
+    dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    if step:
+      arrived = tuple(jax.lax.ppermute(a, axes, back) for a in (dk, dv))
+  return dq.astype(q_BSNH.dtype), dk, dv, None, None
+
+
+_flash_blocks.defvjp(_flash_blocks_fwd, _flash_blocks_bwd)
+
+_FLASH_IMPLEMENTATIONS = {"local": _flash_local, "allgather": _flash_allgather, "ring": _flash_ring,
+                          "zigzag_ring": _flash_zigzag_ring, "ulysses": _flash_ulysses}
 
 
 # The parallel op models call: the functions above wrapped in shard_map under the active plan.
@@ -273,11 +515,13 @@ def attention(q_BSNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, positions
   kv_spec = plan.activation_spec(("act_batch", "act_attn_seq", "act_kv_heads", None))
   axes = plan.attention_axes()
   pos_spec = parallel.spec_of(parallel.dim_axes(q_spec, 0), axes)
-  implementation = plan.attention().implementation
+  choice = plan.attention(q_BSNH.dtype, q_BSNH.shape[-1])
 
   def body(q, k, v, pos):
-    return sharded_attention(q, k, v, pos, implementation=implementation, axis_names=axes)
+    return sharded_attention(q, k, v, pos, implementation=choice.implementation, axis_names=axes,
+                             kernel=choice.kernel_backend)
 
-  return parallel.shard_map(plan, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec)(
-      q_BSNH, k_BSGH, v_BSGH, positions_BS)
+  # tokamax's Mosaic GPU kernels cannot take operands that vary over mesh axes (parallel.shard_map).
+  return parallel.shard_map(plan, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec,
+                            check_vma=not choice.kernel_backend)(q_BSNH, k_BSGH, v_BSGH, positions_BS)
 

@@ -50,14 +50,18 @@ def split_suffix(axes: Axes, wanted: Axes, what: str) -> Axes:
   return shared
 
 
-def shard_map(plan, body: Callable, in_specs, out_specs) -> Callable:
-  """jax.shard_map over the plan's mesh; the body is traced with the plan off (it sees shards)."""
+def shard_map(plan, body: Callable, in_specs, out_specs, check_vma: bool = True) -> Callable:
+  """jax.shard_map over the plan's mesh; the body is traced with the plan off (it sees shards).
+  `check_vma=False` for bodies that call kernels which cannot take operands that vary over mesh axes
+  (Mosaic GPU kernels with warp-specialised bodies); autodiff then psums the cotangents of inputs over the
+  mesh axes their specs leave out (and divides those of outputs), which is the same gradient."""
 
   def per_device_body(*args):
     with per_device():
       return body(*args)
 
-  return jax.shard_map(per_device_body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)
+  return jax.shard_map(per_device_body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=check_vma)
 
 
 def varying_axes(a: jax.Array) -> Axes:

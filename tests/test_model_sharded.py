@@ -97,6 +97,23 @@ def test_context_parallel_kinds_match_single_device(sizes, preset, attention):
   _check_layout("dropless" if heads == (4, 2) else "more_heads", {}, sizes, preset, attention, heads)
 
 
+# Attention's blocks by the kernel path (sharding/attention_kernels.py; tokamax's XLA version on CPU): the
+# blocks, their merging and their custom backward inside the whole model, against the einsum path on one
+# device. (mesh sizes, preset, attention kind, tier)
+FLASH_LAYOUTS = [((8, 1, 1, 1), "dp", "allgather", "reference"), ((2, 2, 1, 2), "megascale", "allgather", "reference"),
+                 ((1, 2, 1, 4), "megascale", "ring", "xla"), ((2, 1, 2, 2), "tp_sp", "ring", "reference"),
+                 ((2, 2, 1, 2), "megascale", "ulysses", "reference")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,attention,impl", FLASH_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{a}-{i}" for s, p, a, i in FLASH_LAYOUTS])
+def test_attention_kernel_path_matches_single_device(sizes, preset, attention, impl):
+  heads = (8, 4) if attention == "ulysses" else (4, 2)
+  _check_layout("dropless" if heads == (4, 2) else "more_heads", {}, sizes, preset, heads=heads,
+                parallel=ParallelConfig(impl=impl, attention=attention, attention_kernel="tokamax"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes,preset", [((2, 4, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"),
                                           ((2, 2, 2, 1), "tp_sp"), ((1, 2, 1, 4), "megascale")])
