@@ -1,32 +1,43 @@
 """Train-step time of a config on the local devices, and the cost model beside the compiled program.
 
-  bash experiments/run.sh bench [--devices=8] [--preset=ep] [--data=-1 ...] [--attention=ring] [--steps=10]
+  bash experiments/run.sh bench [--config=tiny_moe] [--devices=8] [--preset=ep] [--data=-1 ...]
+      [--attention=ring] [--steps=10] [--repeats=1]
 
-With --devices=N on a CPU machine, N devices are simulated (set before JAX starts). Prints the mean time
-of a full training step (forward, backward, optimizer) over --steps timed runs after one warm-up, then
+--config names an experiment in experiments/configs/ (default tiny_moe; maxtext_tiny_moe is MaxText's tiny
+MoE shape). With --devices=N on a CPU machine, N devices are simulated (set before JAX starts). Prints the
+time of a full training step (forward, backward, optimizer): the mean over --steps timed runs after one
+warm-up, --repeats times (min and median of the repeats' means), then
 meshmoe.analysis.cost_model's figures next to XLA's analysis of the compiled step: FLOPs per device (useful and
 executed), bytes moved per collective kind per device, and memory per device.
 """
 
+import importlib
 import os
+import pathlib
 import sys
 import time
 
 from absl import app, flags, logging
 
+flags.DEFINE_string("config", "tiny_moe", "experiment config: a file name in experiments/configs/, no .py")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on accelerators)", lower_bound=1)
-flags.DEFINE_integer("steps", 10, "timed steps", lower_bound=1)
+flags.DEFINE_integer("steps", 10, "timed steps per repeat", lower_bound=1)
+flags.DEFINE_integer("repeats", 1, "timed repeats of --steps steps", lower_bound=1)
 flags.DEFINE_string("preset", None, "sharding preset (default: the config's)")
 for _axis in ("data", "expert", "tensor", "sequence"):
   flags.DEFINE_integer(_axis, None, f"size of the {_axis} mesh axis")
 flags.DEFINE_string("grouped_gemm", None, "grouped GEMM of the dropless MoE path: auto, blocked, ragged_dot")
 flags.DEFINE_string("attention", None, "context-parallel attention: allgather, ring, ulysses")
 FLAGS = flags.FLAGS
+CONFIGS = pathlib.Path(__file__).parent / "configs"
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # JAX's INFO lines about absent backends are not results
+  if FLAGS.config.startswith("_") or not (CONFIGS / f"{FLAGS.config}.py").is_file():
+    available = ", ".join(sorted(p.stem for p in CONFIGS.glob("[!_]*.py")))
+    sys.exit(f"error: --config={FLAGS.config!r} is not a file in experiments/configs/; available: {available}")
   if "jax" in sys.modules:
     raise RuntimeError("jax was imported before the device count could be set")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -34,14 +45,13 @@ def main(argv):
   import jax
   import numpy as np
 
-  from experiments.configs import tiny_moe
   from meshmoe.analysis import cost_collectives, cost_model, hlo_collectives
   from meshmoe.config import ConfigError
   from meshmoe.sharding.mesh import make_mesh
   from meshmoe.sharding.plan import ParallelPlan
   from meshmoe.training import train_step
 
-  config = tiny_moe.get_config()
+  config = importlib.import_module(f"experiments.configs.{FLAGS.config}").get_config()
   if FLAGS.preset:
     config.mesh.preset = FLAGS.preset
   if FLAGS.grouped_gemm:
@@ -66,18 +76,26 @@ def main(argv):
   compiled = trainer.train_step.lower(state, batch).compile()
   state, _ = compiled(state, batch)
   jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(FLAGS.steps):
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
-  step_time = (time.perf_counter() - start) / FLAGS.steps
+  times, cpu_times = [], []  # wall clock; this process's CPU time (steadier where other jobs share the cores)
+  for _ in range(FLAGS.repeats):
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(FLAGS.steps):
+      state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    times.append((time.perf_counter() - start) / FLAGS.steps)
+    cpu_times.append((time.process_time() - cpu_start) / FLAGS.steps)
+  step_time = float(np.median(times))
 
   cost = cost_model.step_cost(config, plan)
   compiled_flops = compiled.cost_analysis()["flops"]
   executed = cost.executed_flops_per_device.total
-  print(f"config tiny_moe  mesh {dict(plan.mesh.shape)}  preset {plan.preset}  attention "
+  print(f"config {FLAGS.config}  mesh {dict(plan.mesh.shape)}  preset {plan.preset}  attention "
         f"{plan.ops['attention'].implementation}  gemm {plan.grouped_gemm}  {n} {plan.hardware.platform} devices")
-  print(f"train step time                {step_time * 1e3:9.1f} ms  ({b * s / step_time:,.0f} tokens/s)")
+  print(f"train step time                {step_time * 1e3:9.1f} ms  ({b * s / step_time:,.0f} tokens/s)"
+        + (f"  median of {FLAGS.repeats} repeats; min {min(times) * 1e3:.1f} ms; each "
+           + " ".join(f"{t * 1e3:.1f}" for t in times) if FLAGS.repeats > 1 else ""))
+  print(f"CPU time per step              {np.median(cpu_times) * 1e3:9.1f} ms  (this process, all threads; "
+        f"min {min(cpu_times) * 1e3:.1f} ms)")
   print(f"FLOPs/device: compiled         {compiled_flops / 1e9:9.3f} GFLOP")
   print(f"              cost model exec  {executed / 1e9:9.3f} GFLOP  (compiled/model {compiled_flops / executed:.3f})")
   print(f"              useful           {cost.model_flops / n / 1e9:9.3f} GFLOP  "

@@ -14,9 +14,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--preset=megascal", "error: config.mesh.preset='megascal' is invalid: one of 'dp', 'fsdp', 'zero1',"),
     ("--data=3", "the product of the mesh axis sizes (3) must equal the device count (8)"),
     ("--attention=flash", "error: config.parallel.attention='flash' is invalid: one of 'allgather', 'ring',"),
+    ("--config=maxtext_tiny", "error: --config='maxtext_tiny' is not a file in experiments/configs/; available: "),
+    # --config loads the experiment: maxtext_tiny_moe's mesh has expert=4, so data=8 makes 32 devices.
+    ("--config=maxtext_tiny_moe --data=8", "the product of the mesh axis sizes (32) must equal the device count"),
 ])
 def test_bad_flag_is_one_line(flag, message):
-  result = subprocess.run([sys.executable, "-m", "experiments.bench", flag], cwd=REPO, capture_output=True,
+  result = subprocess.run([sys.executable, "-m", "experiments.bench", *flag.split()], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert message in result.stderr, result.stderr[-3000:]

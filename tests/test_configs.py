@@ -30,7 +30,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "conf
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
 
 # Device count each config is validated for; the full-size configs are meant for 64 GPUs and more.
-NUM_DEVICES = {"tiny_moe": 8, "moe_1b": 8}
+NUM_DEVICES = {"tiny_moe": 8, "moe_1b": 8, "maxtext_tiny_moe": 8}
 DEFAULT_DEVICES = 64
 
 # Published (total, active) parameters and the relative tolerance of each comparison.
