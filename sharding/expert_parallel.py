@@ -48,7 +48,7 @@ from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
 from meshmoe.sharding import grouped_ffn, moe_pipeline, parallel
 from meshmoe.sharding.grouped_ffn import Activation, ExpertWeights
-from meshmoe.sharding.plan import ExpertChoice, ExpertLayout, grouped_gemm
+from meshmoe.sharding.plan import ExpertChoice, ExpertLayout, Hardware, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.shardings import current
 
 
@@ -59,8 +59,10 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   nothing. Runs as the active plan says; with none, on one device with the platform's grouped GEMM."""
   plan = current()
   if plan is None:
-    return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation,
-                                 grouped_gemm("auto", jax.default_backend()))
+    hardware = Hardware.of(jax.devices()[0])
+    gemm, kernels, _ = grouped_gemm_for(grouped_gemm("auto", hardware), hardware, x_BSD.dtype, x_BSD.shape[-1],
+                                        w.gate_EDF.shape[-1])
+    return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation, gemm, kernels=kernels)
   lay = plan.expert_layout()
 
   def body(x_BSD, experts_BSK, weights_BSK, w):
@@ -93,7 +95,7 @@ def _local(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, ch
            num_sms: int) -> jax.Array:
   """Every expert is here: nothing to exchange, nothing to overlap."""
   return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation, choice.grouped_gemm,
-                               choice.block_rows)
+                               choice.block_rows, choice.gemm_kernels)
 
 
 def _all_to_all(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, choice: ExpertChoice,
@@ -181,7 +183,7 @@ def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activa
              choice: ExpertChoice) -> jax.Array:
   """Step 4: my experts (w holds only this device's slice); padding rows (id E/ep) give zeros."""
   return grouped_ffn.grouped_ffn(received_RD, route.expert_R, w, activation, choice.grouped_gemm,
-                                 choice.block_rows)
+                                 choice.block_rows, choice.gemm_kernels)
 
 
 def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, ep: int) -> jax.Array:

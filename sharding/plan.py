@@ -10,9 +10,10 @@ gives; the cost model, the AOT report, the benchmarks and the trainer read the s
 
 One function answers each question:
 - Tiers (`parallel.impl`) are interpreted here only: `TIERS`.
-- Choices that depend on a call's shapes (does a fused kernel tile them?) are methods, `project_in`,
-  `project_out` and `expert_ffn`, which an op calls with the shapes it traces and `build` calls with the
-  shapes the config implies, to record them in `ops` (what the table, plan.json and the cost model read).
+- Choices that depend on a call's shapes (does a fused kernel tile them?) are methods, `attention`,
+  `project_in`, `project_out` and `expert_ffn`, which an op calls with the shapes it traces and `build`
+  calls with the shapes the config implies, to record them in `ops` (what the table, plan.json and the
+  cost model read).
 - Layout questions, for the ops and the cost model alike: over which mesh axes a projection gathers the
   sequence (`projection_axes`), how expert parallelism splits and gathers (`expert_layout`), how a weight
   is placed inside an op and so which axes it is gathered over (`weight_spec` against `param_spec`), and
@@ -21,7 +22,8 @@ One function answers each question:
 
 Implementation names, per op (each op module holds the table that maps them to code):
 - attention: "local" (the sequence is not split), "allgather", "ring" (the plain ring), "zigzag_ring"
-  (causal quarter blocks, transfers ahead of compute), "ulysses";
+  (causal quarter blocks, transfers ahead of compute), "ulysses"; its `kernel_backend` is the tokamax
+  kernel that computes the blocks ("mosaic", "triton", "xla"; `attention_kernel`), "" for the einsum ones;
 - projections (`<block>.project_in` / `.project_out`): "local" (nothing to gather or scatter; partial sums
   psum-ed where tensor-parallel axes do not split the tokens), "collectives" (all-gather / reduce-scatter,
   then or before the matmul), "ring" (the ppermute collective matmul), "fused" (a Flux kernel);
@@ -50,7 +52,7 @@ from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import parallel, rules
+from meshmoe.sharding import attention_kernels, parallel, rules, tokamax_gemm
 from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
 from meshmoe.sharding.parallel import Axes
 from meshmoe.sharding.rules import Preset, logical_to_spec
@@ -84,14 +86,6 @@ TIERS = {
 FUSED_KERNEL_BACKENDS = {"auto": "mosaic_gpu", "collectives": "collectives"}
 
 
-def grouped_gemm(requested: str, platform: str) -> str:
-  """The grouped GEMM of the unfused MoE paths: `parallel.grouped_gemm`, with "auto" resolved by platform
-  (XLA:CPU computes ragged_dot densely over every group, so CPUs get the blocked layout)."""
-  if requested != "auto":
-    return requested
-  return "blocked" if platform == "cpu" else "ragged_dot"
-
-
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   """What the plan needs to know of the devices (the mesh's first; a mesh is one kind of device)."""
@@ -114,6 +108,56 @@ class Hardware:
     return f"{self.device_kind or 'gpu'} (compute capability {self.compute_capability}, {self.num_sms} SMs)"
 
 
+def grouped_gemm(requested: str, hardware: Hardware) -> str:
+  """The grouped GEMM of the unfused MoE paths: `parallel.grouped_gemm`, with "auto" resolved by platform:
+  CPUs get the blocked layout (XLA:CPU computes ragged_dot densely over every group), GPUs tokamax's
+  kernels (the blocked layout where those cannot run: `grouped_gemm_for`), TPUs XLA's ragged_dot."""
+  if requested != "auto":
+    return requested
+  return {"cpu": "blocked", "gpu": "tokamax"}.get(hardware.platform, "ragged_dot")
+
+
+# Operand dtypes tokamax's GPU grouped GEMM kernels take.
+TOKAMAX_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def grouped_gemm_for(gemm: str, hardware: Hardware, dtype, d: int,
+                     f: int) -> tuple[str, tokamax_gemm.Kernels | None, str]:
+  """(the grouped GEMM that runs for operands of `dtype`, tokens of width d and experts of width f, the
+  tokamax kernels it calls, why it is not `gemm`, or "")."""
+  if gemm != "tokamax":
+    return gemm, None, ""
+  kernels, why_not = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
+  dtype = jnp.dtype(dtype)
+  if kernels and hardware.platform == "gpu":
+    if dtype not in TOKAMAX_DTYPES:
+      kernels, why_not = None, f"tokamax's grouped GEMM takes bfloat16/float16, not {dtype.name}"
+    elif d * dtype.itemsize % 16 or f * dtype.itemsize % 16:  # TMA copies rows of whole 16-byte units
+      kernels, why_not = None, (f"tokamax's grouped GEMM needs rows of whole 16-byte units: widths {d} and {f} "
+                                f"in {dtype.name} are not")
+  if kernels is None:
+    return "blocked", None, why_not + ": the blocked GEMM runs"
+  return gemm, kernels, ""
+
+
+def attention_kernel(requested: str, hardware: Hardware) -> tuple[str, str]:
+  """(the kernel of attention's blocks, why it is not tokamax's GPU kernel where one was asked for, or "")
+  for `parallel.attention_kernel`: "" is the einsum blocks, else tokamax's "mosaic" (its Mosaic GPU flash
+  attention: forward sm80+, backward sm90/sm100 only), "triton" (its Pallas Triton one, forward and
+  backward, for sm80) or "xla" (its plain-XLA version: only to check the kernel path on CPU). "auto" is
+  the GPU kernel where there is one, else the einsum blocks. Operand dtypes and head sizes are checked by
+  `ParallelPlan.attention` (attention_kernels.unsupported)."""
+  if requested == "einsum" or (requested == "auto" and hardware.platform != "gpu"):
+    return "", ""
+  if hardware.platform != "gpu":
+    return "xla", ""
+  kernel = {"8": "triton", "9": "mosaic", "10": "mosaic"}.get(hardware.compute_capability.split(".")[0], "")
+  if not kernel:
+    return "", (f"tokamax has no flash attention kernel for compute capability "
+                f"{hardware.compute_capability or 'unknown'}: the einsum blocks run")
+  return kernel, ""
+
+
 @dataclasses.dataclass(frozen=True)
 class OpChoice:
   """How one op runs: a key of the op's implementation table, what it does, and for fused kernels their
@@ -130,7 +174,8 @@ class ExpertChoice(OpChoice):
   """The routed experts' choice: besides OpChoice, how their unfused paths exchange and multiply."""
 
   exchange: str = ""  # "ragged_all_to_all" (GPU) or "padded_all_to_all" (XLA:CPU has no ragged one)
-  grouped_gemm: str = ""  # "blocked" or "ragged_dot"
+  grouped_gemm: str = ""  # "tokamax", "ragged_dot" or "blocked" (sharding/grouped_ffn.py)
+  gemm_kernels: tokamax_gemm.Kernels | None = None  # tokamax's implementations, for "tokamax"
   block_rows: int = 0  # rows per tile of the blocked GEMM; 0 chooses from the shapes
   chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
 
@@ -160,7 +205,7 @@ class ParallelPlan:
   rules: Preset
   parallel: ParallelConfig
   hardware: Hardware
-  grouped_gemm: str  # resolved: "blocked" or "ragged_dot"
+  grouped_gemm: str  # resolved for the model's dtype where it matters: see `expert_ffn`
   gemm_block_rows: int
   ops: dict[str, OpChoice] = dataclasses.field(default_factory=dict)  # predicted from the config's shapes
 
@@ -179,7 +224,7 @@ class ParallelPlan:
     parallel = (parallel or ParallelConfig()).validate()
     hardware = Hardware.of(mesh.devices.flat[0])
     return cls(mesh, preset, rules.get_preset(preset), parallel, hardware,
-               grouped_gemm(parallel.grouped_gemm, hardware.platform), parallel.gemm_block_rows)
+               grouped_gemm(parallel.grouped_gemm, hardware), parallel.gemm_block_rows)
 
   @property
   def tier(self) -> Tier:
@@ -261,14 +306,27 @@ class ParallelPlan:
 
   # --- Choices ------------------------------------------------------------------------------------------
 
-  def attention(self) -> OpChoice:
+  def attention(self, dtype=None, head_dim: int = 0) -> OpChoice:
+    """How attention runs for q of `dtype` with heads of `head_dim` (None: not known, no kernel checked):
+    the implementation (context_parallel.IMPLEMENTATIONS) and, as `kernel_backend`, tokamax's kernel that
+    computes its blocks ("" for the einsum blocks; `attention_kernel`)."""
     axes = self.attention_axes()
     if not axes:
-      return OpChoice("local", "the sequence is whole on every device")
-    kind = self.parallel.attention
-    implementation = {"allgather": "allgather", "ring": self.tier.ring_attention, "ulysses": "ulysses"}[kind]
-    fallback = "no fused attention kernel: the xla tier's" if self.tier.fused_kernels else ""
-    return OpChoice(implementation, f"sequence over {_describe_axes(self, axes)}", fallback=fallback)
+      implementation, detail = "local", "the sequence is whole on every device"
+    else:
+      kind = self.parallel.attention
+      implementation = {"allgather": "allgather", "ring": self.tier.ring_attention, "ulysses": "ulysses"}[kind]
+      detail = f"sequence over {_describe_axes(self, axes)}"
+    kernel, fallback = attention_kernel(self.parallel.attention_kernel, self.hardware)
+    if kernel and dtype is None:
+      kernel = ""
+    elif kernel and (why := attention_kernels.unsupported(kernel, dtype, head_dim)):
+      kernel, fallback = "", f"{why}: the einsum blocks run"
+    if kernel:
+      detail += "; tokamax flash attention"
+    elif axes and self.tier.fused_kernels and not fallback:
+      fallback = "no fused attention kernel: the xla tier's"
+    return OpChoice(implementation, detail, kernel_backend=kernel, fallback=fallback)
 
   def project_in(self, gather: Axes, rows: int, d: int, width: int, dtype) -> OpChoice:
     """How a column-parallel projection x [rows, D] @ [D, width] (per device, before the gather) runs."""
@@ -289,12 +347,16 @@ class ParallelPlan:
 
   def expert_ffn(self, ep: int, d: int, f: int, dtype) -> ExpertChoice:
     """How the routed experts run for tokens of width d, an expert width of f per device, over ep devices."""
-    gemm = dict(grouped_gemm=self.grouped_gemm, block_rows=self.gemm_block_rows)
+    gemm_name, kernels, gemm_fallback = grouped_gemm_for(self.grouped_gemm, self.hardware, dtype, d, f)
+    gemm = dict(grouped_gemm=gemm_name, block_rows=self.gemm_block_rows, gemm_kernels=kernels)
+    if kernels:
+      gemm_name += f" ({kernels.describe()})"
     if ep == 1:
-      return ExpertChoice("local", f"every expert here; grouped GEMM {self.grouped_gemm}", **gemm)
-    fallback = ""
+      return ExpertChoice("local", f"every expert here; grouped GEMM {gemm_name}", fallback=gemm_fallback,
+                          **gemm)
+    fused_fallback = ""
     if self.tier.fused_kernels:
-      backend, fallback = self._fused_kernels(
+      backend, fused_fallback = self._fused_kernels(
           "MoE dispatch/return",
           moe_dispatch_gemm.unsupported(d, [f, f], dtype) or moe_gemm_return.unsupported([f], d, dtype))
       if backend:
@@ -303,7 +365,8 @@ class ParallelPlan:
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
     return ExpertChoice("all_to_all", f"{chunks} chunk(s); tokens by {exchange} over {ep} devices; grouped "
-                        f"GEMM {self.grouped_gemm}", fallback=fallback, exchange=exchange, chunks=chunks, **gemm)
+                        f"GEMM {gemm_name}", fallback="; ".join(filter(None, (fused_fallback, gemm_fallback))),
+                        exchange=exchange, chunks=chunks, **gemm)
 
   def _gathered_projection(self, op: str, unsupported: str | None, detail: str) -> OpChoice:
     fallback = ""
@@ -341,7 +404,7 @@ class ParallelPlan:
     return {
         "preset": self.preset, "mesh": dict(self.mesh.shape), "hardware": dataclasses.asdict(self.hardware),
         "parallel": dataclasses.asdict(self.parallel), "grouped_gemm": self.grouped_gemm,
-        "ops": {name: {k: v for k, v in dataclasses.asdict(choice).items() if v not in ("", 0)}
+        "ops": {name: {k: v for k, v in dataclasses.asdict(choice).items() if v not in ("", 0, None)}
                 for name, choice in self.ops.items()},
     }
 
@@ -386,7 +449,7 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
   residual = plan.activation_spec(_RESIDUAL)
   rows = (t.global_batch_size // t.grad_accum_steps // plan.axis_size(parallel.dim_axes(residual, 0))
           * (t.seq_len // plan.axis_size(parallel.dim_axes(residual, 1))))
-  ops: dict[str, OpChoice] = {"attention": plan.attention()}
+  ops: dict[str, OpChoice] = {"attention": plan.attention(dtype, m.head_dim)}
   for block, weights_in, weight_out in projection_blocks(config):
     tp_axes, gather = plan.projection_axes([names for names, _ in weights_in])
     local = lambda names, width: width // plan.axis_size(parallel.all_axes(plan.weight_spec(names)))

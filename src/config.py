@@ -21,10 +21,11 @@ PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
 IMPLS = ("reference", "xla", "pallas")
 KERNEL_BACKENDS = ("auto", "collectives")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
+ATTENTION_KERNELS = ("auto", "einsum", "tokamax")
 XLA_FLAG_PRESETS = ("none", "overlap", "overlap_windowed_einsum")  # meshmoe.runtime.xla_flags.PRESETS
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
-GROUPED_GEMMS = ("auto", "blocked", "ragged_dot")
+GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 NAN_POLICIES = ("halt", "skip")
@@ -77,6 +78,10 @@ class ModelConfig:
   # Activation rematerialisation per decoder layer: "none" keeps everything, "full" recomputes the whole
   # layer in the backward pass, "dots" keeps matmul outputs and recomputes the elementwise work.
   remat: str = "none"
+  # The training loss computes the output layer's float32 logits in chunks of each device's tokens, at
+  # most this many bytes of them at a time (models/output.py); 0 forms them whole. 256 MiB: up to 441
+  # tokens of Qwen3's 151,936-entry vocabulary, 2,048 of a 32K one (a divisor of the device's positions).
+  logits_chunk_bytes: int = 256 * 2**20
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
@@ -110,11 +115,17 @@ class ParallelConfig:
   # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
   # from sequence-split to head-split; needs the KV heads divisible by the sequence split).
   attention: str = "allgather"
+  # What computes attention's blocks (sharding/attention_kernels.py): "auto" picks per device: tokamax's
+  # flash attention on GPUs ("mosaic" on compute capability 9.x/10.x, "triton" on 8.x; bf16/fp16 operands,
+  # head_dim <= 256), the einsum blocks (float32 scores in memory) elsewhere; "einsum" always the einsum
+  # blocks; "tokamax" tokamax's kernels on GPUs and its plain-XLA version on CPUs (to check the kernel path).
+  attention_kernel: str = "auto"
   # impl="xla": each device's MoE tokens go through dispatch -> expert GEMM -> combine in this many
   # chunks, so one chunk's all-to-alls overlap another chunk's GEMM. 1 turns the pipeline off.
   moe_chunks: int = 2
-  # The routed experts' grouped GEMM where no fused kernel runs: "auto" picks per platform ("blocked" on
-  # CPU, where XLA computes ragged_dot densely over every expert; "ragged_dot" elsewhere).
+  # The routed experts' grouped GEMM where no fused kernel runs (sharding/grouped_ffn.py): "auto" picks per
+  # platform: "blocked" on CPU, "tokamax" (tokamax's Mosaic GPU grouped GEMM, bf16/fp16) on GPUs of compute
+  # capability 8.0 to 10.x, "ragged_dot" (XLA's own; dense over every expert on CPU and GPU) elsewhere.
   grouped_gemm: str = "auto"
   gemm_block_rows: int = 0  # rows per expert tile of the "blocked" GEMM; 0 picks one from the shapes
   # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, collectives
@@ -126,6 +137,7 @@ class ParallelConfig:
     _check_choice("parallel.impl", self.impl, IMPLS)
     _check_choice("parallel.kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
     _check_choice("parallel.attention", self.attention, ATTENTION_KINDS)
+    _check_choice("parallel.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
     _check_positive_int("parallel.moe_chunks", self.moe_chunks)
     _check_choice("parallel.grouped_gemm", self.grouped_gemm, GROUPED_GEMMS)
     _check_int("parallel.gemm_block_rows", self.gemm_block_rows, 0,
@@ -287,6 +299,8 @@ def _validate_model(m: ModelConfig) -> None:
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
   _check_bool("model.tie_embeddings", m.tie_embeddings)
+  _check_int("model.logits_chunk_bytes", m.logits_chunk_bytes, 0,
+             "0 (the logits whole) or a positive number of bytes of logits per chunk")
   if m.head_dim % 2:
     raise ConfigError("model.head_dim", m.head_dim, "an even number (rotary embeddings rotate pairs)")
   if m.num_heads % m.num_kv_heads:

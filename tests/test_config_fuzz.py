@@ -65,7 +65,8 @@ POSITIVE_INTS = ["model.vocab_size", "model.embed_dim", "model.num_layers", "mod
                  "model.mlp_dim", "model.max_seq_len", "model.moe.num_experts", "model.moe.expert_mlp_dim",
                  "train.steps", "train.global_batch_size", "train.log_every", "train.eval_batches",
                  "checkpoint.keep", "parallel.moe_chunks", "resilience.max_consecutive_skips"]
-NON_NEGATIVE_INTS = ["model.moe.num_shared_experts", "parallel.gemm_block_rows", "optimizer.warmup_steps",
+NON_NEGATIVE_INTS = ["model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
+                     "optimizer.warmup_steps",
                      "train.eval_every", "checkpoint.every_steps", "sample.max_new_tokens",
                      "resilience.straggler_every_steps"]
 POSITIVE_FLOATS = ["model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
@@ -77,7 +78,8 @@ CHOICES = {"model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POL
            "model.moe.score_fn": config_lib.SCORE_FNS, "parallel.grouped_gemm": config_lib.GROUPED_GEMMS,
            "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
-           "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
+           "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
+           "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
 BOOLS = ["model.tie_embeddings", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
          "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save"]

@@ -21,7 +21,7 @@ from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import expert_parallel, grouped_ffn, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
-from tests.test_expert_parallel import LAYOUTS, _inputs, _sharded, assert_matches, local_moe, output_and_grads
+from tests.test_expert_parallel import D, E, LAYOUTS, _inputs, _sharded, assert_matches, local_moe, output_and_grads
 from tests.model_steps import gpu_mesh
 
 AXES = ("data", "expert", "tensor", "sequence")
@@ -59,6 +59,15 @@ def test_xla_tier_matches_one_device(sizes, preset, load, chunks):
 @pytest.mark.parametrize("load", ["balanced", "uneven", "dropped"])
 def test_xla_tier_with_ragged_dot_matches_one_device(load):
   _assert_matches_one_device((2, 4, 1, 1), "ep", load, _xla(3, grouped_gemm="ragged_dot"))
+
+
+# The tokamax grouped GEMM path (on CPU its XLA version: the same sorting, masking and VJP typing as on
+# GPUs) under shard_map with checked replication, on every layout: expert axis 1 (local), expert
+# parallelism, expert-tensor parallelism.
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=_IDS)
+def test_tokamax_grouped_gemm_matches_one_device(sizes, preset, impl):
+  _assert_matches_one_device(sizes, preset, "dropped", ParallelConfig(impl=impl, grouped_gemm="tokamax"))
 
 
 def test_more_chunks_than_tokens_is_one_chunk_per_token():
@@ -125,12 +134,15 @@ _SCHEDULER = {"xla_gpu_enable_latency_hiding_scheduler": True,
 
 
 def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_module.HloModule:
-  """The op compiled deviceless for 8 H100s (grouped GEMM "auto": ragged_dot; exchanges ragged_all_to_all).
-  Weights are float32, as the model's parameters; `tokens_dtype` is the compute dtype."""
+  """The op compiled deviceless for 8 H100s (grouped GEMM "auto": tokamax's kernels for bfloat16 tokens, the
+  blocked GEMM for float32; exchanges ragged_all_to_all). Weights are float32, as the model's parameters;
+  `tokens_dtype` is the compute dtype."""
   mesh = gpu_mesh(sizes, AXES)
   plan = ParallelPlan.for_mesh(mesh, preset, parallel)
-  x, experts, weights, w = _inputs("dropped")
+  x, experts, weights, _ = _inputs("dropped")
   x = x.astype(tokens_dtype)
+  # Expert widths of whole 16-byte rows in bfloat16, which tokamax's kernels copy with TMA.
+  w = grouped_ffn.ExpertWeights(*(jnp.zeros(shape) for shape in [(E, D, 16), (E, D, 16), (E, 16, D)]))
   tokens = plan.activation_sharding(("act_batch", "act_seq", None))
   param = lambda names: NamedSharding(mesh, plan.param_spec(names))
   abstract = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
@@ -145,16 +157,18 @@ def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_
   loss = lambda x, experts, weights, w: jnp.sum(fn(x, experts, weights, w) ** 2)
   args = (abstract(x, tokens), abstract(experts, tokens), abstract(weights, tokens), w)
   program = jax.grad(loss, argnums=(0, 2, 3)) if grad else fn
-  return hlo_module.parse(jax.jit(program).lower(*args).compile(
-      compiler_options={**_SCHEDULER, **deviceless.ANALYSIS_OPTIONS}).as_text())
+  with deviceless.targeting(mesh):
+    lowered = jax.jit(program).lower(*args)
+  return hlo_module.parse(lowered.compile(compiler_options={**_SCHEDULER, **deviceless.ANALYSIS_OPTIONS}).as_text())
 
 
 def _runs_a_dot(module: hlo_module.HloModule, instruction: hlo_module.Instruction) -> bool:
-  """Whether a scheduled instruction is a GEMM: a dot, a library GEMM call, or a fusion around a dot."""
+  """Whether a scheduled instruction is a GEMM: a dot, a library GEMM call (cuBLAS, or a Mosaic GPU kernel:
+  tokamax's grouped GEMM), or a fusion around a dot."""
   if instruction.opcode == "dot":
     return True
   if instruction.opcode == "custom-call":
-    return "gemm" in instruction.attributes
+    return "gemm" in instruction.attributes or "mosaic_gpu" in instruction.attributes
   return any(_runs_a_dot(module, inner) for callee in instruction.callees if callee in module.computations
              for inner in module.computations[callee].instructions)
 
@@ -181,8 +195,8 @@ def test_h100_program_overlaps_a_token_exchange_with_a_gemm(sizes, preset, chunk
   """Without the pipeline's barrier XLA merges the chunks' GEMMs into one, which waits for every dispatch:
   this finds no overlap then."""
   ragged = ("ragged-all-to-all", "ragged-all-to-all-start")
-  reference = _h100(sizes, preset, None)
-  pipelined = _h100(sizes, preset, _xla(chunks, grouped_gemm="auto"))
+  reference = _h100(sizes, preset, None, tokens_dtype=jnp.bfloat16)
+  pipelined = _h100(sizes, preset, _xla(chunks, grouped_gemm="auto"), tokens_dtype=jnp.bfloat16)
   assert _count(reference, ragged) == 2 and _count(pipelined, ragged) == 2 * chunks
   assert _gemms_during_token_exchanges(reference) == 0  # dispatch -> GEMM -> return, each waiting
   assert _gemms_during_token_exchanges(pipelined) > 0

@@ -59,7 +59,9 @@ def _compiled_loss_and_grad(config, mesh) -> str:
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   replicated = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)), others,
                             is_leaf=is_variable)
-  return deviceless.compile_for_analysis(jax.jit(jax.grad(loss)).lower(params, replicated, tokens, tokens)).as_text()
+  with deviceless.targeting(mesh):
+    lowered = jax.jit(jax.grad(loss)).lower(params, replicated, tokens, tokens)
+  return deviceless.compile_for_analysis(lowered).as_text()
 
 
 def _config(sizes, preset):

@@ -6,12 +6,13 @@ optimizer; every micro-batch) against abstract state, and reads the compiled pro
 - memory: XLA's buffer assignment (arguments + outputs - donated aliases + temporaries) per device, next
   to the device's memory and the cost model's estimate;
 - FLOPs: matmul FLOPs of the compiled program with loops counted per iteration (hlo_flops.py), next to
-  the model's useful FLOPs (with the recomputation remat adds) and the cost model's executed FLOPs;
+  the cost model's FLOPs outside custom-call kernels; the kernels' FLOPs (tokamax's, the fused kernels')
+  are modelled and reported apart, never added to compiled figures;
 - collectives: every collective with its bytes per device per step and whether it overlaps independent
   compute (hlo_collectives.py), next to the cost model's bytes per kind; `overlap_fraction` is the bytes
-  of overlapped collectives over all collective bytes.
+  of overlapped collectives over all collective bytes, from the compiled program only.
 The JSON holds the contract other tools read (ARCHITECTURE.md): `memory.peak_bytes_per_device`,
-`flops.compiled`, `flops.model`, `collectives` ([{kind, bytes, overlapped}]) and `overlap_fraction`, plus
+`flops.compiled` (XLA's program only), `flops.kernels_modelled`, `flops.model`, `collectives` ([{kind, bytes, overlapped}]) and `overlap_fraction`, plus
 the detail above and `plan`, the parallel plan the step was compiled with (which implementation each op
 ran, and why where it fell back).
 """
@@ -72,7 +73,8 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
   plan = ParallelPlan.build(config, mesh)
   trainer, state = train_step.create_abstract(config, plan)
   start = time.perf_counter()
-  lowered = trainer.train_step.lower(state, train_step.abstract_batch(config, plan))
+  with deviceless.targeting(mesh):
+    lowered = trainer.train_step.lower(state, train_step.abstract_batch(config, plan))
   compiled = lowered.compile() if target == "cpu" else deviceless.compile_for_analysis(lowered)
   compile_s = time.perf_counter() - start
   module = hlo_module.parse(compiled.as_text())
@@ -93,7 +95,7 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
                        "count": c.count} for c in found if c.bytes > 0],
       "collective_bytes_by_kind": _bytes_by_kind(found, cost),
       "overlap_fraction": hlo_collectives.overlap_fraction(found),
-      "fused_kernels": _fused_kernels(found, cost),
+      "fused_kernels": _fused_kernels(cost),
       "loops_with_unknown_trip_count": module.unknown_trip_counts,
   }, compiled.as_text(), plan.table())
 
@@ -109,31 +111,34 @@ def _memory(compiled, cost, target: str) -> dict[str, Any]:
 
 
 def _flops(module, config: Config, plan: ParallelPlan, cost) -> dict[str, Any]:
-  """Matmul FLOPs per device. `compiled` counts what the HLO shows; the `pallas` tier's kernels are custom
-  calls XLA cannot see into, so their GEMMs (`in_kernels`, the cost model's accounting) are added to it in
-  the ratios."""
+  """Matmul FLOPs per device, compiled and modelled apart. `compiled` counts the matmuls of XLA's program
+  (loops per iteration); custom-call kernels (tokamax's grouped GEMM and flash attention, the fused
+  kernels) are opaque to it, so their FLOPs are the cost model's, from the tiles they compute
+  (`kernels_modelled`: balanced routing; `kernels_modelled_worst_case`: the most the buffers allow), and
+  `compiled_over_cost_model` compares the compiled program with the cost model's non-kernel FLOPs only."""
   in_hlo = hlo_flops.matmul_flops(module)
-  in_kernels = cost_model.flops_in_kernels(config, plan)
-  compiled = in_hlo + in_kernels
+  kernels = cost_model.flops_in_kernels(config, plan)
+  worst = cost_model.flops_in_kernels(config, plan, worst_case=True)
   model = cost.model_flops / plan.mesh.size
   with_remat = model * _REMAT_RECOMPUTE[config.model.remat]
   executed = cost.executed_flops_per_device.total
-  return {"compiled": compiled, "in_hlo": in_hlo, "in_kernels": in_kernels, "model": model,
-          "model_with_remat": with_remat, "cost_model_executed": executed,
-          "compiled_over_model_with_remat": compiled / with_remat,
-          "compiled_over_cost_model": compiled / executed if executed else None}
+  outside_kernels = executed - sum(kernels.values())
+  useful_experts = cost_model.useful_expert_flops_per_device(config, plan)
+  return {"compiled": in_hlo, "cost_model_outside_kernels": outside_kernels,
+          "compiled_over_cost_model": in_hlo / outside_kernels if outside_kernels else None,
+          "kernels_modelled": kernels, "kernels_modelled_worst_case": worst,
+          "useful_routed_experts": useful_experts,
+          "expert_kernels_over_useful": (kernels["routed_experts"] / useful_experts
+                                         if kernels["routed_experts"] and useful_experts else None),
+          "model": model, "model_with_remat": with_remat, "cost_model_executed": executed}
 
 
-def _fused_kernels(found, cost) -> dict[str, Any]:
-  """Bytes the `pallas` tier's kernels move inside their custom calls (their own accounting, by the cost
-  model), and the overlap fraction with them counted as overlapped: they send tiles from inside their
-  GEMM loops, so their transfers run beside their compute by construction (the HLO cannot show it)."""
-  fused = {k: v for k, v in cost_collectives.bytes_by_kind(cost.collectives).items() if k in cost_kernels.FUSED_KINDS}
-  visible = sum(c.bytes for c in found)
-  overlapped = sum(c.bytes for c in found if c.overlapped)
-  total = visible + sum(fused.values())
-  return {"bytes_by_kind": fused, "overlap_fraction_with_kernels": (overlapped + sum(fused.values())) / total
-          if total else 0.0}
+def _fused_kernels(cost) -> dict[str, Any]:
+  """Bytes the `pallas` tier's kernels move inside their custom calls: modelled (the cost model's, from
+  the kernels' own accounting); the HLO shows no collective for them, and `overlap_fraction` leaves them
+  out."""
+  return {"bytes_by_kind_modelled": {k: v for k, v in cost_collectives.bytes_by_kind(cost.collectives).items()
+                                     if k in cost_kernels.FUSED_KINDS}}
 
 
 def _bytes_by_kind(found, cost) -> dict[str, dict[str, float]]:
@@ -156,11 +161,17 @@ def format_table(report: dict[str, Any]) -> str:
       f"attention {c['attention']}, xla_flags {c['xla_flags']}, remat {c['remat']}, {c['dtype']}; "
       f"compiled in {report['compile_seconds']:.1f} s",
       "",
-      "per device, per step          compiled        cost model",
-      f"matmul FLOPs             {flops['compiled'] / 1e12:10.3f} TF   {flops['cost_model_executed'] / 1e12:10.3f} TF"
-      f"   (useful {flops['model'] / 1e12:.3f} TF, with remat {flops['model_with_remat'] / 1e12:.3f} TF: "
-      f"compiled / useful = {flops['compiled_over_model_with_remat']:.2f})",
-      f"memory                   {gb(mem['peak_bytes_per_device'])}   {gb(mem['cost_model']['total'])}"
+      "per device, per step             compiled (XLA's program)   modelled (cost model)",
+      f"matmul FLOPs outside kernels  {flops['compiled'] / 1e12:10.3f} TF        {flops['cost_model_outside_kernels'] / 1e12:10.3f} TF"
+      + (f"   (compiled / modelled = {flops['compiled_over_cost_model']:.2f})" if flops['compiled_over_cost_model'] else ""),
+      f"matmul FLOPs in kernels            (opaque)        {sum(flops['kernels_modelled'].values()) / 1e12:10.3f} TF"
+      f"   (worst case {sum(flops['kernels_modelled_worst_case'].values()) / 1e12:.3f} TF; "
+      + ", ".join(f"{part} {value / 1e12:.3f}" for part, value in flops["kernels_modelled"].items() if value) + ")",
+      f"useful FLOPs {flops['model'] / 1e12:.3f} TF (with remat {flops['model_with_remat'] / 1e12:.3f} TF); modelled "
+      f"executed in all {flops['cost_model_executed'] / 1e12:.3f} TF"
+      + (f"; expert kernels / useful expert FLOPs = {flops['expert_kernels_over_useful']:.3f} (modelled)"
+         if flops["expert_kernels_over_useful"] else ""),
+      f"memory                   {gb(mem['peak_bytes_per_device'])}              {gb(mem['cost_model']['total'])}"
       f"   (params {mem['cost_model']['params'] / 1e9:.2f}, grads {mem['cost_model']['gradients'] / 1e9:.2f}, "
       f"optimizer {mem['cost_model']['optimizer'] / 1e9:.2f}, activations "
       f"{mem['cost_model']['activations'] / 1e9:.2f} GB)",
@@ -170,15 +181,14 @@ def format_table(report: dict[str, Any]) -> str:
     share = row["overlapped"] / row["compiled"] if row["compiled"] else 0.0
     lines.append(f"  {kind:21s} {row['compiled'] / 1e6:10.1f} MB {row['cost_model'] / 1e6:10.1f} MB"
                  f"   {100 * share:5.1f}%")
-  lines.append(f"overlap_fraction {report['overlap_fraction']:.3f} (bytes of collectives that run beside "
+  lines.append(f"overlap_fraction {report['overlap_fraction']:.3f} (compiled: bytes of collectives that run beside "
                "independent compute / all collective bytes)")
-  fused = report["fused_kernels"]
-  if fused["bytes_by_kind"]:
-    lines.append("inside fused kernels (their own accounting; no HLO collective):")
-    for kind, nbytes in fused["bytes_by_kind"].items():
+  fused = report["fused_kernels"]["bytes_by_kind_modelled"]
+  if fused:
+    lines.append("inside fused kernels (modelled, from the kernels' own accounting; no HLO collective, not in "
+                 "overlap_fraction):")
+    for kind, nbytes in fused.items():
       lines.append(f"  {kind:21s} {nbytes / 1e6:10.1f} MB")
-    lines.append(f"  matmul FLOPs in kernels {flops['in_kernels'] / 1e12:.3f} TF (included above); overlap_fraction "
-                 f"with the kernels' transfers counted as overlapped {fused['overlap_fraction_with_kernels']:.3f}")
   if report["loops_with_unknown_trip_count"]:
     lines.append(f"note: {report['loops_with_unknown_trip_count']} loop(s) without a known trip count were "
                  "counted once")

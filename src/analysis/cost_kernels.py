@@ -1,5 +1,11 @@
-"""Cost model, fused-kernel part: what the `pallas` tier's kernels move and compute.
+"""Cost model, kernel part: what custom-call kernels move and compute, which compiled HLO cannot show.
 
+Two kinds of kernels run as custom calls: tokamax's (grouped GEMM and flash attention, on GPUs, every
+tier) and the `pallas` tier's fused communicating kernels. Their FLOPs here are modelled from the tiles
+the kernels launch for the shapes (balanced routing, or the worst case the buffers allow), never read from
+a compiled program; the AOT report keeps them apart from what XLA's program shows.
+
+Fused kernels:
 Whether a kernel runs is the parallel plan's decision (meshmoe.sharding.plan: `ops`, implementation
 "fused"); this module only accounts for it. Mosaic GPU kernels are custom calls: the compiled HLO shows
 neither the collectives fused into them nor their GEMMs, so the cost model takes both from the kernels'
@@ -11,6 +17,8 @@ kernel's reference.py): its collectives and GEMMs are in the HLO like any other.
 
 from __future__ import annotations
 
+import math
+
 from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.sharding.plan import OpChoice
@@ -19,9 +27,35 @@ FUSED_KINDS = ("fused all-gather", "fused reduce-scatter", "fused all-to-all")
 TILE_ROWS = mosaic_tiles.DEFAULT_TILES.block_m
 
 
+# tokamax 0.0.17's grouped GEMM on Hopper with its heuristic config (what runs without autotuning, and in
+# every deviceless compile): tiles of 64 rows; an expert's first tile starts at its first row rounded down
+# to a multiple of 8, and only tiles holding rows of some expert run.
+TOKAMAX_TILE_ROWS = 64
+TOKAMAX_ROW_ALIGN = 8
+
+
 def in_custom_calls(choice: OpChoice | None) -> bool:
   """Whether an op's communication and GEMMs run inside custom calls the HLO cannot show."""
   return choice is not None and choice.implementation == "fused" and choice.kernel_backend != "collectives"
+
+
+def gemm_in_kernels(choice: OpChoice | None) -> bool:
+  """Whether the routed experts' grouped GEMM is a tokamax kernel on a GPU (a custom call)."""
+  kernels = getattr(choice, "gemm_kernels", None)
+  return kernels is not None and kernels.rows != "xla"
+
+
+def tokamax_rows(rows_per_expert: float, experts: int) -> float:
+  """Rows tokamax's grouped GEMM computes for `experts` groups of `rows_per_expert` rows (balanced routing):
+  each group's rows, from a start at most 7 rows early, in whole 64-row tiles."""
+  tiles = math.ceil((rows_per_expert + TOKAMAX_ROW_ALIGN - 1) / TOKAMAX_TILE_ROWS) if rows_per_expert else 0
+  return experts * tiles * TOKAMAX_TILE_ROWS
+
+
+def tokamax_worst_rows(buffer_rows: int, experts: int) -> float:
+  """The most rows it can compute over a buffer of `buffer_rows`: every tile of the buffer, plus one
+  partial tile per expert boundary (the kernel's task count)."""
+  return (math.ceil(buffer_rows / TOKAMAX_TILE_ROWS) + experts - 1) * TOKAMAX_TILE_ROWS
 
 
 def projection_bytes(g: int, rows: int, d: int, itemsize: int) -> float:

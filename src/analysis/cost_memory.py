@@ -8,11 +8,12 @@
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
   Per layer, the intermediates are counted in units of this device's residual block [B, S, D]
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
-  and the MoE dispatch buffers (the [ep*A, D] receive buffer, its tiled copy, the [rows, F] gate, up and
+  (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers (the [ep*A, D] receive buffer, its tiled copy, the [rows, F] gate, up and
   hidden units: silu(gate) is recomputed, see models/layers.py swiglu_hidden), which dominate at small
   sizes. Which buffers exist is the parallel plan's choice of implementation (meshmoe.sharding.plan).
-The compiled step also holds the batch, temporary buffers XLA schedules between ops and the logits;
-the logits [B, S, V] in float32 and their gradient are counted, the rest is not.
+The compiled step also holds the batch, temporary buffers XLA schedules between ops and the output layer's
+logits; the logits are counted (one chunk of them in float32, and the weight-gradient part the chunks sum
+into: `_output_layer`), the rest is not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flax import nnx
 
 from meshmoe.analysis import cost_kernels
 from meshmoe.config import Config
+from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import moe_pipeline, parallel
 from meshmoe.sharding.grouped_ffn import blocked_tiles
@@ -78,9 +80,19 @@ def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
     kept = m.num_layers * residual + max(layers)
   else:  # dots: projections' outputs kept, the rest of one layer rebuilt at a time
     kept = m.num_layers * (residual + qkvo) + max(layers)
-  vocab_split = _shards(plan, plan.activation_spec(("act_batch", "act_seq", "act_vocab")))
-  logits = 2 * micro * t.seq_len * m.vocab_size * 4 / vocab_split  # logits and their gradient
-  return kept + (moe_transient if num_moe else 0.0) + logits
+  return kept + (moe_transient if num_moe else 0.0) + _output_layer(config, plan)
+
+
+def _output_layer(config: Config, plan: ParallelPlan) -> float:
+  """Bytes the loss's output layer adds at the peak (models/output.py): one chunk's float32 logits (their
+  gradient, softmax - one-hot, takes the same buffer), and with several chunks this device's part of the
+  weight gradient [D, V] float32 (the vocabulary split as the logits'), summed over the chunks."""
+  m, t = config.model, config.train
+  micro = t.global_batch_size // t.grad_accum_steps
+  batch, seq, vocab = plan.activation_sharding(output.LOGITS).shard_shape((micro, t.seq_len, m.vocab_size))
+  nb, ns = output.chunk_counts(batch, seq, vocab, m.logits_chunk_bytes)
+  chunk = batch * seq // (nb * ns) * vocab * 4
+  return chunk + (m.embed_dim * vocab * 4 if nb * ns > 1 else 0.0)
 
 
 def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tuple[float, float]:
@@ -94,6 +106,9 @@ def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tup
   rows = micro / batch_split * t.seq_len / seq_split
   qkvo = rows * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * c / heads_split
   probs = rows * m.num_heads / heads_split * t.seq_len * 4  # each query's scores over the whole sequence
+  if plan.ops["attention"].kernel_backend in ("mosaic", "triton"):
+    # A flash kernel keeps no scores: its output and float32 log-sum-exp statistics (max, denominator).
+    probs = rows * m.num_heads / heads_split * (m.head_dim * c + 2 * 4)
   gathered_kv = 0.0
   if seq_split > 1 and plan.ops["attention"].implementation == "allgather":
     gathered_kv = 2 * micro / batch_split * t.seq_len * m.num_kv_heads / heads_split * m.head_dim * c
@@ -147,7 +162,10 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     tiled_rows = sum(count * height for count, height in shapes)
     weights = 3 * tiles * d * width * c
     transient = weights if m.remat == "none" else 0.0
-  else:
+  elif choice.grouped_gemm == "tokamax":  # the receive buffer as is; the kernels make no dense intermediate
+    tiled_rows, weights = rows, 0.0
+    transient = 2 * rows * width * c  # the backward's gate/up cotangent, [R, 2F]
+  else:  # XLA's ragged_dot: dense over every local expert
     tiled_rows, weights = rows, 0.0
     transient = 4 * local_experts * rows * width * c
   hidden = tiled_rows * (2 * d + 3 * width) * c  # tile inputs and outputs, gate/up/hidden units

@@ -93,20 +93,39 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   per_device["logits"] = useful.logits / split("act_batch", "act_seq", "act_vocab")
   n = plan.axis_size(plan.attention_axes())
   dense_scores = useful.attention_scores * t.seq_len / (t.seq_len + 1) * 2  # all S x S pairs
-  causal_blocks = plan.ops["attention"].implementation in ("allgather", "zigzag_ring")
+  attention = plan.ops["attention"]
+  causal_blocks = attention.implementation in ("allgather", "zigzag_ring")
   computed = (2 * n + 1) / (4 * n) if n > 1 and causal_blocks else 1.0
+  if attention_in_kernels(attention) and attention.implementation in ("local", "ulysses"):
+    # A flash kernel over the whole sequence skips the key blocks a query block cannot see: the causal
+    # half, plus the diagonal blocks' masked half.
+    computed = (t.seq_len + FLASH_BLOCK) / (2 * t.seq_len)
   per_device["attention_scores"] = dense_scores * computed / plan.mesh.size
   per_device["routed_experts"] = _expert_flops(config, plan)
   forward = ForwardFlops(**per_device)
   recompute = {"none": 0.0, "full": 1.0, "dots": 0.0}[m.remat]
   scale = {name: 3.0 + recompute for name in per_device}
-  if m.remat == "dots":  # dots with batch dimensions (attention, per-tile expert GEMMs) are recomputed
-    scale["attention_scores"] = scale["routed_experts"] = 4.0
+  if m.remat == "dots":  # dots with batch dimensions (attention, per-tile expert GEMMs) and custom-call
+    scale["attention_scores"] = scale["routed_experts"] = 4.0  # kernels are recomputed
+  if attention_in_kernels(attention):
+    # Flash attention's backward recomputes the scores: 5 GEMMs against the plain backward's 4.
+    scale["attention_scores"] += 0.5
   return ForwardFlops(**{name: scale[name] * value for name, value in vars(forward).items()})
 
 
-def _expert_flops(config: Config, plan: ParallelPlan) -> float:
-  """Forward FLOPs of one device's routed-expert GEMMs, as the dispatch lays them out."""
+# Key/value rows per block of tokamax's flash attention kernels (the unit of their causal skipping).
+FLASH_BLOCK = 128
+
+
+def attention_in_kernels(choice) -> bool:
+  """Whether attention's blocks are a flash-attention kernel on a GPU (custom calls the HLO cannot show)."""
+  return choice.kernel_backend in ("mosaic", "triton")
+
+
+def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) -> float:
+  """Forward FLOPs of one device's routed-expert GEMMs, as the dispatch lays them out: under balanced
+  routing, or with `worst_case` the most the buffers allow (where that differs: kernels that skip
+  empty tiles)."""
   m, moe, t = config.model, config.model.moe, config.train
   num_moe = m.num_layers - m.num_dense_layers
   if not num_moe:
@@ -119,38 +138,59 @@ def _expert_flops(config: Config, plan: ParallelPlan) -> float:
   assignments = micro * t.seq_len // token_split * plan.axis_size(lay.gather) * moe.top_k
   rows = lay.ep * assignments  # the receive buffer: dropless worst case
   local_experts = moe.num_experts // lay.ep
-  if cost_kernels.in_custom_calls(choice):
+  if cost_kernels.in_custom_calls(choice) and worst_case:
+    _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
+  elif cost_kernels.in_custom_calls(choice):
     computed_rows, _ = cost_kernels.moe_rows(assignments, lay.ep, local_experts)  # used tiles only
   elif choice.implementation == "fused":  # the kernels' plain-XLA versions multiply every buffer tile
     _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
+  elif cost_kernels.gemm_in_kernels(choice):  # tokamax: per chunk, each expert's rows in whole tiles
+    chunk_rows = [tokens * moe.top_k for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks)]
+    computed_rows = sum(cost_kernels.tokamax_worst_rows(lay.ep * rows, local_experts) if worst_case
+                        else cost_kernels.tokamax_rows(rows / local_experts, local_experts) for rows in chunk_rows)
   elif choice.grouped_gemm == "blocked":  # each chunk's receive rows padded to whole tiles on their own
     computed_rows = sum(math.prod(blocked_tiles(lay.ep * tokens * moe.top_k, local_experts, choice.block_rows))
                         for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks))
-  else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert
-    computed_rows = rows * local_experts
+  else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert (tokamax's
+    computed_rows = rows * local_experts  # XLA version too)
   per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / plan.axis_size(lay.width_axes)
   return num_moe * per_step_micro * t.grad_accum_steps
 
 
-def flops_in_kernels(config: Config, plan: ParallelPlan) -> float:
+def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = False) -> dict[str, float]:
   """Of `executed_flops_per_device`, the FLOPs inside custom-call kernels, which compiled HLO does not
-  show: the routed experts' every GEMM (forward, input and weight gradients), and of a tensor-parallel
-  projection the forward (with its remat repeat) and input-gradient GEMMs (the weight gradients are local
-  XLA matmuls)."""
+  show, by part: the routed experts' every GEMM (forward, input and weight gradients) when a kernel runs
+  them, attention's scores and values under a flash kernel, and of a fused tensor-parallel projection the
+  forward (with its remat repeat) and input-gradient GEMMs (the weight gradients are local XLA matmuls).
+  Modelled: from the tiles the kernels compute (balanced routing, or `worst_case`)."""
   executed = executed_flops_per_device(config, plan)
   recompute = 1.0 if config.model.remat == "full" else 0.0
   share = (2.0 + recompute) / (3.0 + recompute)
   parts = {"attention": executed.attention_projections, "dense_mlp": executed.dense_mlp,
            "shared_experts": executed.shared_experts}
-  in_kernels = 0.0
+  projections = 0.0
   for block, weights_in, weight_out in projection_blocks(config):
     widths = {"project_in": sum(width for _, width in weights_in), "project_out": weight_out[1]}
     for direction, width in widths.items():
       if cost_kernels.in_custom_calls(plan.ops.get(f"{block}.{direction}")):
-        in_kernels += share * parts[block] * width / sum(widths.values())
-  if cost_kernels.in_custom_calls(plan.ops.get("moe")):
-    in_kernels += executed.routed_experts
-  return in_kernels
+        projections += share * parts[block] * width / sum(widths.values())
+  found = {"projections": projections, "attention": 0.0, "routed_experts": 0.0}
+  if attention_in_kernels(plan.ops["attention"]):
+    found["attention"] = executed.attention_scores
+  moe = plan.ops.get("moe")
+  if cost_kernels.in_custom_calls(moe) or cost_kernels.gemm_in_kernels(moe):
+    found["routed_experts"] = executed.routed_experts
+    if worst_case:
+      found["routed_experts"] *= _expert_flops(config, plan, worst_case=True) / _expert_flops(config, plan)
+  return found
+
+
+def useful_expert_flops_per_device(config: Config, plan: ParallelPlan) -> float:
+  """The routed experts' useful FLOPs on one device (routed rows only, balanced), forward + backward and
+  the forward again where remat recomputes them (kernels are: `executed_flops_per_device`)."""
+  m, t = config.model, config.train
+  scale = {"none": 3.0, "full": 4.0, "dots": 4.0}[m.remat]
+  return forward_flops(m, t.global_batch_size, t.seq_len).routed_experts * scale / plan.mesh.size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,10 +4,15 @@ The CUDA PJRT plugin (pip extra `deviceless`) describes a GPU topology from XLA'
 (`gpu_specs/<target>.txtpb`: core count, shared memory, memory size, compute capability), with no CUDA
 libraries and no GPU. `jax.jit(f).lower(*abstract_args).compile()` on such a mesh gives the scheduled
 GPU HLO, its `memory_analysis()` and `cost_analysis()`. Run under JAX_PLATFORMS=cpu.
+
+Kernel libraries that choose a kernel from the device they will run on (tokamax reads
+`jax.extend.backend.get_default_device()`: its compute capability and SM count) would see this machine's
+CPU. `targeting(mesh)` is the one place that declares the target: lower deviceless programs inside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 
 import jax
@@ -51,3 +56,9 @@ def gpu_devices(num_devices: int, target: str = "h100_sxm", num_hosts: int = 1) 
     raise RuntimeError("deviceless GPU compilation needs the CUDA PJRT plugin: "
                        "pip install -e '.[deviceless]' (no GPU or CUDA libraries needed)") from error
   return list(topology.devices)
+
+
+def targeting(mesh: jax.sharding.Mesh) -> contextlib.AbstractContextManager:
+  """A context in which the default device is the mesh's first device, so that kernels traced inside it
+  are chosen for the mesh's GPU (compute capability, SM count), deviceless or not. Trace (`.lower`) inside."""
+  return jax.default_device(mesh.devices.flat[0])

@@ -163,9 +163,14 @@ def _is_collective(instruction: hlo_module.Instruction) -> bool:
   return _collective_kind(instruction.opcode) is not None
 
 
+# Custom-call kernels that run GEMMs (tokamax's grouped GEMM and flash attention, the fused kernels): compute
+# a collective can hide behind, though their FLOPs are not countable from the HLO.
+_KERNEL_TARGETS = ('custom_call_target="mosaic_gpu', 'custom_call_target="__gpu$xla.gpu.triton"')
+
+
 def _is_matmul(instruction: hlo_module.Instruction) -> bool:
-  return instruction.opcode in _MATMULS or (
-      instruction.opcode == "custom-call" and any(t in instruction.attributes for t in hlo_flops.GEMM_TARGETS))
+  return instruction.opcode in _MATMULS or (instruction.opcode == "custom-call" and any(
+      t in instruction.attributes for t in hlo_flops.GEMM_TARGETS + _KERNEL_TARGETS))
 
 
 def _contains(module: hlo_module.HloModule, instruction: hlo_module.Instruction, test) -> bool:
