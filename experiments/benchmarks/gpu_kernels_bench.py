@@ -1,0 +1,424 @@
+"""MoE grouped GEMM and causal attention on one GPU at an experiment's shapes: time, TFLOP/s, % of peak.
+
+  python -m experiments.benchmarks.gpu_kernels_bench [--config=moe_1b] [--assignments=16384] [--seq_len=4096]
+      [--attention_batch=2] [--iters=20] [--inner=10] [--only=gemm,wgrad,attention] [--json_out=FILE]
+
+Shapes come from experiments/configs/<config>.py (moe_1b: d_model 1024, 32 experts of width 512, top-4;
+16 query / 4 key-value heads of 64), each overridable by a flag. Everything is bfloat16 with float32
+accumulation; routing is balanced (every expert gets assignments/E rows, in expert order), so the dense
+loop can use static slices.
+
+Groups (rows of the table):
+- `gemm` (forward, and forward + backward: dx and dw), y[M, N] = x[M, K] @ w[expert of the row][K, N] for
+  the two GEMM shapes of an expert FFN: gate+up (K = d_model, N = 2 x expert width: one GEMM, as
+  sharding/grouped_ffn.py runs it) and down (K = expert width, N = d_model). Implementations:
+  - `tokamax`: tokamax's grouped GEMM as the MoE path calls it (sharding/tokamax_gemm.ragged_matmul, with
+    the plan's kernels for this GPU: Mosaic GPU on sm90; its own VJP);
+  - `mosaic_tiles`: meshmoe's own Mosaic GPU tiles (pallas_kernels/): the Comet dispatch + grouped GEMM
+    kernel on a ring of one GPU (its send phase is then a local copy of the rows into the receive buffer,
+    part of what it costs); forward + backward is its custom VJP (the GEMM + return kernel with the
+    transposed weights, and the grouped weight-gradient kernel). Hopper only;
+  - `ragged_dot`: jax.lax.ragged_dot (XLA's own lowering);
+  - `dense_loop`: a Python loop over experts of dense matmuls on each expert's rows (static slices);
+  - `dense_batched`: one batched einsum [E, M/E, K] x [E, K, N], what balanced routing would cost as a
+    plain dense GEMM: a ceiling, not a grouped GEMM.
+- `wgrad`, the weight gradient alone, dw[e] = x_e^T dy_e (a ragged contraction): tokamax's
+  (`ragged_dot_general`, the plan's contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel,
+  jax.lax.ragged_dot_general, and the dense loop.
+- `attention`, causal GQA attention [B, S, N, H] x [B, S, G, H], forward and forward + backward:
+  meshmoe's GPU path (context_parallel.sharded_attention, whole sequence, with the kernel the plan picks
+  for this GPU: tokamax's flash attention), meshmoe's einsum path (context_parallel.causal_attention:
+  float32 scores in memory; the CPU path), and jax.nn.dot_product_attention with implementation "xla"
+  and "cudnn".
+
+Timing: one call compiles, --warmup calls warm up, then --iters samples, each --inner calls launched back
+to back and waited for once (jax.block_until_ready), so launch overheads overlap the GPU's work; the
+median sample / inner is the time per call. Forward + backward calls return the output and the input
+and weight gradients (jax.vjp), so nothing is dead code.
+
+FLOPs are useful FLOPs: 2 M K N per grouped GEMM (not the padding or the dense over-computation of an
+implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the causal half, as
+meshmoe.analysis.cost_model.forward_flops counts it), 3 x that forward + backward (the cost model's
+backward = 2 x forward; a flash backward's recomputed scores are not useful FLOPs). % peak is against the
+device's dense bf16 peak (meshmoe.training.metrics.peak_flops_per_device: H100 SXM / H200 989, H100
+PCIe 756, A100 312 TFLOP/s, from NVIDIA's datasheets; the MFU the trainer logs uses the same table), or
+--peak_tflops. `err` is max |out - reference| / max |reference| of the forward output against a float32
+computation (the dense loop in float32; einsum attention in float32).
+
+Without a GPU, --noplatform_check runs every path that has a CPU version (tokamax's XLA kernels, the
+flash path with tokamax's XLA attention) at whatever shapes the flags give: a check that the script
+runs, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+from absl import app, flags
+
+flags.DEFINE_string("config", "moe_1b", "experiment whose shapes are used: a file name in experiments/configs/")
+flags.DEFINE_integer("assignments", 16384, "grouped GEMM rows M (token x top-k assignments)", lower_bound=1)
+flags.DEFINE_integer("d_model", 0, "model width (0: the config's)", lower_bound=0)
+flags.DEFINE_integer("expert_width", 0, "expert FFN width (0: the config's)", lower_bound=0)
+flags.DEFINE_integer("experts", 0, "number of experts (0: the config's)", lower_bound=0)
+flags.DEFINE_integer("seq_len", 4096, "attention sequence length", lower_bound=1)
+flags.DEFINE_integer("attention_batch", 2, "attention batch (sequences)", lower_bound=1)
+flags.DEFINE_integer("heads", 0, "query heads (0: the config's)", lower_bound=0)
+flags.DEFINE_integer("kv_heads", 0, "key/value heads (0: the config's)", lower_bound=0)
+flags.DEFINE_integer("head_dim", 0, "head dimension (0: the config's)", lower_bound=0)
+flags.DEFINE_integer("iters", 20, "timed samples; the median is reported", lower_bound=1)
+flags.DEFINE_integer("inner", 10, "calls per sample, launched back to back", lower_bound=1)
+flags.DEFINE_integer("warmup", 3, "untimed calls after the compiling one", lower_bound=0)
+flags.DEFINE_list("only", ["gemm", "wgrad", "attention"], "groups to run: gemm, wgrad, attention")
+flags.DEFINE_float("peak_tflops", 0.0, "dense bf16 peak TFLOP/s of the device (0: look up its kind)")
+flags.DEFINE_bool("platform_check", True, "require a GPU (--noplatform_check: run the CPU versions)")
+flags.DEFINE_string("json_out", None, "also write the rows as JSON lines to this file")
+FLAGS = flags.FLAGS
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+GROUPS = ("gemm", "wgrad", "attention")
+
+
+@dataclasses.dataclass
+class Row:
+  group: str
+  name: str
+  shape: str
+  mode: str  # "fwd", "fwd+bwd"
+  flops: float
+  seconds: float | None = None
+  err: float | None = None
+  note: str = ""
+
+
+def time_call(fn: Callable, args: tuple, iters: int, inner: int, warmup: int) -> float:
+  """Median seconds per call of the jitted `fn` (module docstring, "Timing")."""
+  import jax
+  import numpy as np
+
+  jax.block_until_ready(fn(*args))  # compiles
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / inner)
+  return float(np.median(samples))
+
+
+def relative_error(actual, expected) -> float:
+  import numpy as np
+
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
+
+
+def run_row(row: Row, build: Callable[[], tuple[Callable, tuple]], check: Callable | None = None) -> Row:
+  """Times what `build()` returns ((jitted fn, args)); `check(output)` gives the row's err. A failure
+  (an unsupported shape, a kernel that does not compile) is the row's note, not the end of the run."""
+  try:
+    fn, args = build()
+    if check is not None:
+      row.err = check(fn(*args))
+    row.seconds = time_call(fn, args, FLAGS.iters, FLAGS.inner, FLAGS.warmup)
+  except Exception as e:  # noqa: BLE001: one implementation's failure must not hide the others' numbers
+    row.note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    traceback.print_exc(file=sys.stderr)
+  return row
+
+
+def skipped(row: Row, why: str) -> Row:
+  row.note = f"not run: {why}"
+  return row
+
+
+# Grouped GEMM ------------------------------------------------------------------------------------------------
+
+
+def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu: bool) -> list[Row]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
+  from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api
+  from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic
+  from meshmoe.sharding import tokamax_gemm
+  from meshmoe.sharding.plan import Hardware
+
+  hardware = Hardware.of(device)
+  kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
+  hopper = on_gpu and hardware.compute_capability.startswith("9.")
+  num_sms = hardware.num_sms or mosaic_tiles.H100_SMS
+  sizes_np = np.full((e,), m // e, np.int64)
+  sizes_np[: m % e] += 1  # balanced; the first m % e experts take one row more
+  offsets = np.concatenate([[0], np.cumsum(sizes_np)])
+  sizes = jnp.asarray(sizes_np, jnp.int32)
+  experts_A = jnp.asarray(np.repeat(np.arange(e), sizes_np), jnp.int32)  # assignment order = expert order
+  tm = mosaic_tiles.DEFAULT_TILES.block_m
+  mesh = Mesh(np.array([device]), ("x",))
+  on_ring = lambda fn, n_in, n_out: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * n_in,
+                                                          out_specs=P() if n_out == 1 else (P(),) * n_out,
+                                                          check_vma=False))
+  tile_plan = on_ring(lambda ids: moe_routing.make_tile_plan(ids, ("x",), e, tm), 1, 1)(experts_A) if hopper else None
+  rows = []
+  for shape_name, (k, n) in shapes.items():
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+    reference = jax.jit(lambda x, w: jnp.concatenate(
+        [x[offsets[i]:offsets[i + 1]].astype(jnp.float32) @ w[i].astype(jnp.float32) for i in range(e)]))(x, w)
+    check = lambda y: relative_error(y, reference)
+    label = f"{shape_name}: M={m} K={k} N={n} E={e}"
+    flops = 2.0 * m * k * n
+
+    forward = {
+        "tokamax": (lambda x, w: tokamax_gemm.ragged_matmul(x, w, sizes, kernels)) if kernels else None,
+        "ragged_dot": lambda x, w: jax.lax.ragged_dot(x, w, sizes),
+        "dense_loop": lambda x, w: jnp.concatenate([x[offsets[i]:offsets[i + 1]] @ w[i] for i in range(e)]),
+        "dense_batched": (lambda x, w: jnp.einsum("egk,ekn->egn", x.reshape(e, m // e, k), w).reshape(m, n))
+                         if m % e == 0 else None,
+    }
+    for mode in ("fwd", "fwd+bwd"):
+      for name, fn in forward.items():
+        row = Row("gemm", name, label, mode, flops if mode == "fwd" else 3 * flops)
+        if fn is None:
+          rows.append(skipped(row, why_no_tokamax if name == "tokamax" else "rows not divisible by experts"))
+          continue
+        if mode == "fwd":
+          rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (x, w)), check))
+        else:
+          def fwd_bwd(x, w, dy, fn=fn):
+            y, pullback = jax.vjp(fn, x, w)
+            return y, pullback(dy)
+          rows.append(run_row(row, lambda f=fwd_bwd: (jax.jit(f), (x, w, dy))))
+
+      # meshmoe's own Mosaic GPU tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU.
+      row = Row("gemm", "mosaic_tiles", label, mode, flops if mode == "fwd" else 3 * flops)
+      why = (None if hopper else "meshmoe's Mosaic GPU kernels need a Hopper GPU") or dispatch_api.unsupported(
+          k, [n], jnp.bfloat16)
+      if why:
+        rows.append(skipped(row, why))
+        continue
+      # Balanced groups of whole tiles in expert order: the receive buffer's first M rows are x's rows.
+      whole_tiles = all(s % tm == 0 for s in sizes_np)
+      if mode == "fwd":
+        xs = on_ring(lambda x, plan: moe_routing.send_buffer(x, plan, tm, plan.send_dst.shape[0]), 2, 1)(x, tile_plan)
+        kernel = jax.jit(jax.shard_map(
+            lambda xs, w, plan: dispatch_mosaic.dispatch_gemm(xs, (w,), plan, ("x",), num_sms=num_sms)[1],
+            mesh=mesh, in_specs=(P(), P("x"), P()), out_specs=P("x"), check_vma=True))
+        check_tiles = (lambda y: relative_error(y[:m], reference)) if whole_tiles else None
+        rows.append(run_row(row, lambda: (kernel, (xs, w, tile_plan)), check_tiles))
+      else:
+        def per_device(x, w, dy, plan):
+          fn = lambda x, w: dispatch_api.dispatch_gemm(x, (w,), plan, ("x",), tile_rows=tm, backend="mosaic_gpu",
+                                                       num_sms=num_sms)[0]
+          y, pullback = jax.vjp(fn, x, w)
+          dy_R = jnp.zeros(y.shape, y.dtype).at[:m].set(dy)  # receive-buffer layout: rows past M are padding
+          return y, pullback(dy_R)
+        kernel = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P()),
+                                       out_specs=(P("x"), (P("x"), P("x"))), check_vma=True))
+        rows.append(run_row(row, lambda: (kernel, (x, w, dy, tile_plan))))
+  return rows
+
+
+def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from meshmoe.pallas_kernels import mosaic_tiles
+  from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
+  from meshmoe.sharding import tokamax_gemm
+  from meshmoe.sharding.plan import Hardware
+
+  import tokamax
+
+  hardware = Hardware.of(device)
+  kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
+  hopper = on_gpu and hardware.compute_capability.startswith("9.")
+  sizes_np = np.full((e,), m // e, np.int64)
+  sizes_np[: m % e] += 1
+  offsets = np.concatenate([[0], np.cumsum(sizes_np)])
+  sizes = jnp.asarray(sizes_np, jnp.int32)
+  keys = jax.random.split(jax.random.key(1), 2)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
+  like = jnp.zeros((e, k, n), jnp.bfloat16)
+  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                           rhs_group_dimensions=[])
+  reference = jax.jit(lambda x, dy: jnp.stack(
+      [x[offsets[i]:offsets[i + 1]].astype(jnp.float32).T @ dy[offsets[i]:offsets[i + 1]].astype(jnp.float32)
+       for i in range(e)]))(x, dy)
+  check = lambda dw: relative_error(dw, reference)
+  label = f"dw: M={m} K={k} N={n} E={e}"
+  flops = 2.0 * m * k * n
+  impls = {
+      "tokamax": (lambda x, dy: tokamax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16,
+                                                           implementation=kernels.contraction)) if kernels else None,
+      "mosaic_tiles": (lambda x, dy: weight_gradient.weight_gradient(
+          x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
+          num_sms=hardware.num_sms or mosaic_tiles.H100_SMS)) if hopper else None,
+      "ragged_dot": lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16),
+      "dense_loop": lambda x, dy: jnp.stack([x[offsets[i]:offsets[i + 1]].T @ dy[offsets[i]:offsets[i + 1]]
+                                             for i in range(e)]),
+  }
+  rows = []
+  for name, fn in impls.items():
+    row = Row("wgrad", name, label, "fwd", flops)
+    if fn is None:
+      rows.append(skipped(row, why_no_tokamax if name == "tokamax" else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
+    elif name == "mosaic_tiles" and (why := weight_gradient.unsupported(k, n, jnp.bfloat16)
+                                     or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
+                                              for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m), None)):
+      rows.append(skipped(row, why))
+    else:
+      rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (x, dy)), check))
+  return rows
+
+
+# Attention ---------------------------------------------------------------------------------------------------
+
+
+def attention_rows(b: int, s: int, n: int, g: int, h: int, device, on_gpu: bool) -> list[Row]:
+  import jax
+  import jax.numpy as jnp
+
+  from meshmoe.sharding import attention_kernels
+  from meshmoe.sharding import context_parallel as cp
+  from meshmoe.sharding.plan import Hardware, attention_kernel
+
+  kernel, why_no_kernel = attention_kernel("auto", Hardware.of(device))
+  if not on_gpu:
+    kernel, why_no_kernel = "xla", ""  # tokamax's plain-XLA version: the path's CPU check
+  why_no_kernel = why_no_kernel or (attention_kernels.unsupported(kernel, jnp.bfloat16, h) if kernel else "")
+  keys = jax.random.split(jax.random.key(2), 4)
+  q, k, v, ct = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+                 for key, shape in zip(keys, ((b, s, n, h), (b, s, g, h), (b, s, g, h), (b, s, n, h))))
+  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  f32 = lambda a: a.astype(jnp.float32)
+  reference = jax.jit(lambda q, k, v: cp.causal_attention(f32(q), f32(k), f32(v), pos, pos))(q, k, v)
+  check = lambda out: relative_error(out, reference)
+  label = f"causal B={b} S={s} N={n} G={g} H={h}"
+  flops = 4.0 * b * n * h * s * (s + 1) / 2
+  impls = {
+      f"meshmoe flash ({kernel or 'none'})": (lambda q, k, v: cp.sharded_attention(
+          q, k, v, pos, implementation="local", axis_names=(), kernel=kernel)) if kernel and not why_no_kernel else None,
+      "meshmoe einsum": lambda q, k, v: cp.causal_attention(q, k, v, pos, pos),
+      "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+      "jax.nn cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+                      if on_gpu else None,
+  }
+  rows = []
+  for mode in ("fwd", "fwd+bwd"):
+    for name, fn in impls.items():
+      row = Row("attention", name, label, mode, flops if mode == "fwd" else 3 * flops)
+      if fn is None:
+        rows.append(skipped(row, why_no_kernel or "needs a GPU"))
+      elif mode == "fwd":
+        rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (q, k, v)), check))
+      else:
+        def fwd_bwd(q, k, v, ct, fn=fn):
+          out, pullback = jax.vjp(fn, q, k, v)
+          return out, pullback(ct)
+        rows.append(run_row(row, lambda f=fwd_bwd: (jax.jit(f), (q, k, v, ct))))
+  return rows
+
+
+# Report ------------------------------------------------------------------------------------------------------
+
+
+def table(rows: list[Row], peak: float | None) -> str:
+  header = ["group", "implementation", "pass", "shape", "ms", "TFLOP/s", "% peak", "err", "note"]
+  lines = []
+  for r in rows:
+    tflops = r.flops / r.seconds / 1e12 if r.seconds else None
+    lines.append([r.group, r.name, r.mode, r.shape, f"{r.seconds * 1e3:.3f}" if r.seconds else "-",
+                  f"{tflops:.1f}" if tflops is not None else "-",
+                  f"{100 * tflops * 1e12 / peak:.1f}" if tflops is not None and peak else "-",
+                  f"{r.err:.1e}" if r.err is not None else "-", r.note])
+  widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
+  fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+  return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
+
+
+def main(argv):
+  del argv
+  unknown = set(FLAGS.only) - set(GROUPS)
+  if unknown:
+    sys.exit(f"error: --only takes {', '.join(GROUPS)}; unknown: {', '.join(sorted(unknown))}")
+  if FLAGS.config.startswith("_") or not (CONFIGS / f"{FLAGS.config}.py").is_file():
+    sys.exit(f"error: --config={FLAGS.config!r} is not a file in experiments/configs/")
+  import jax
+
+  import tokamax  # noqa: F401: fail early, with its own message, where it is missing
+  from meshmoe.training import metrics
+
+  device = jax.devices()[0]
+  on_gpu = device.platform == "gpu"
+  if FLAGS.platform_check and not on_gpu:
+    sys.exit(f"error: JAX's first device is {device.platform}, not a GPU (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}); "
+             "--noplatform_check runs the CPU versions, only to check that this script runs")
+  model = importlib.import_module(f"experiments.configs.{FLAGS.config}").get_config().model
+  d = FLAGS.d_model or model.embed_dim
+  f = FLAGS.expert_width or model.moe.expert_mlp_dim
+  e = FLAGS.experts or model.moe.num_experts
+  n, g, h = FLAGS.heads or model.num_heads, FLAGS.kv_heads or model.num_kv_heads, FLAGS.head_dim or model.head_dim
+  m = FLAGS.assignments
+  peak = FLAGS.peak_tflops * 1e12 or metrics.peak_flops_per_device(device.device_kind, device.platform)
+
+  versions = {name: getattr(importlib.import_module(name), "__version__", "?") for name in ("jax", "jaxlib")}
+  versions["tokamax"] = importlib.metadata.version("tokamax")
+  print(f"device: {device.device_kind} ({device.platform}"
+        + (f", compute capability {getattr(device, 'compute_capability', '?')}, {getattr(device, 'core_count', '?')} SMs"
+           if on_gpu else "") + ")")
+  print("peak dense bf16: " + (f"{peak / 1e12:.1f} TFLOP/s" + (" (--peak_tflops)" if FLAGS.peak_tflops else
+                                                                " (meshmoe.training.metrics, NVIDIA datasheets)")
+                               if peak else "unknown (% peak left out; --peak_tflops sets it)"))
+  print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+  print(f"shapes ({FLAGS.config}): d_model {d}, expert width {f}, {e} experts (top-{model.moe.top_k}), "
+        f"{m} assignments ({m / max(model.moe.top_k, 1):.0f} tokens x top-{model.moe.top_k}), "
+        f"{m // e} rows per expert; attention {n} query / {g} kv heads of {h}, "
+        f"{FLAGS.attention_batch} x {FLAGS.seq_len} tokens")
+  print(f"timing: median of {FLAGS.iters} samples of {FLAGS.inner} back-to-back calls, after {FLAGS.warmup} "
+        "warm-up calls; bfloat16, balanced routing", flush=True)
+
+  rows: list[Row] = []
+  groups = {"gemm": lambda: gemm_rows(m, e, {"gate_up": (d, 2 * f), "down": (f, d)}, device, on_gpu),
+            "wgrad": lambda: wgrad_rows(m, e, d, f, device, on_gpu),
+            "attention": lambda: attention_rows(FLAGS.attention_batch, FLAGS.seq_len, n, g, h, device, on_gpu)}
+  for group in GROUPS:
+    if group in FLAGS.only:
+      rows += groups[group]()
+      print(f"\n{group} done:\n" + table([r for r in rows if r.group == group], peak), flush=True)
+  print("\nall rows:")
+  print(table(rows, peak))
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as out:
+      for r in rows:
+        out.write(json.dumps(dataclasses.asdict(r) | {"device": device.device_kind, "peak_flops": peak}) + "\n")
+    print(f"rows written to {FLAGS.json_out}")
+  failed = [r for r in rows if r.note.startswith("error")]
+  if failed:
+    print(f"{len(failed)} row(s) failed (tracebacks above, on stderr): "
+          + ", ".join(f"{r.group}/{r.name}/{r.mode}" for r in failed))
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
