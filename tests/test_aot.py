@@ -74,8 +74,8 @@ def test_command_line_writes_the_report_and_says_whether_it_fits(tmp_path):
   report = json.loads(out.read_text())
   assert report["config"]["hosts"] == 2 and report["config"]["mesh"]["expert"] == 4
   assert "memory verdict: FITS" in result.stdout
-  # 40,000 sequences per step do not fit 80 GB: the verdict says so and the exit status is 3.
-  too_big = _cli("--target=h100", "--devices=8", "--config.train.global_batch_size=40000",
+  # 400,000 sequences per step do not fit 80 GB: the verdict says so and the exit status is 3.
+  too_big = _cli("--target=h100", "--devices=8", "--config.train.global_batch_size=400000",
                  "--config.parallel.xla_flags=none")
   assert too_big.returncode == 3, too_big.stderr[-3000:]
   assert "memory verdict: DOES NOT FIT" in too_big.stdout
