@@ -17,11 +17,10 @@ The grouped GEMM (`gemm`, the plan's `grouped_gemm`) is one of:
   zeroes their cotangents). Elsewhere tokamax runs its XLA version (dense; for tests only).
 - `ragged_dot`: rows sorted by expert, one `jax.lax.ragged_dot` per matrix. XLA lowers it densely over
   every group (E x the useful FLOPs) on CPU and GPU: for platforms without a better kernel.
-- `blocked`: rows in sorted order cut into tiles of `rows` rows, each of one expert (at most one partial
-  tile per expert); a loop over the used tiles gathers each tile's rows, multiplies them by its expert's
-  weights (no per-tile copy of the weights) and scatters the outputs back (sharding/blocked_gemm.py).
-  Executed FLOPs are the routed rows plus at most E*(rows-1) rows of padding, however large the
-  worst-case buffer: the CPU path (one small GEMM after another, not the GPU path).
+- `blocked`: rows sorted by expert into tiles of `rows` rows, each tile holding one expert's rows (groups
+  padded to whole tiles, at most E*(rows-1) padding rows); each tile multiplies its expert's gathered
+  weights. Executed FLOPs are the useful ones plus the padding: the CPU path. Gathering weights per tile
+  costs memory (tiles x D x F), which is why it is not the GPU path.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import backend
 
-from meshmoe.sharding import blocked_gemm, tokamax_gemm
+from meshmoe.sharding import tokamax_gemm
 
 
 @dataclasses.dataclass
@@ -82,8 +81,8 @@ def grouped_ffn(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, activati
                             kernels or tokamax_gemm.Kernels("xla", "xla"))
   elif gemm == "ragged_dot":
     y_sorted = jnp.where(valid_R, _ragged_ffn(x_RD[order_R], sizes_E, w, activation), 0)
-  elif gemm == "blocked":  # the tiles gather their rows and scatter their outputs back
-    return _blocked_ffn(x_RD, order_R, sizes_E, w, activation, block_rows)
+  elif gemm == "blocked":
+    y_sorted = _blocked_ffn(x_RD, order_R, sorted_expert_R, sizes_E, w, activation, block_rows)
   else:
     raise ValueError(f"unknown grouped GEMM {gemm!r}; known: 'blocked', 'tokamax', 'ragged_dot'")
   return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted, unique_indices=True)
@@ -121,13 +120,33 @@ def _tokamax_ffn(x_RD, sizes_E, valid_R, w: ExpertWeights, activation: Activatio
 _TOKAMAX_ROW_TILE = 8
 
 
-def _blocked_ffn(x_RD, order_R, sizes_E, w: ExpertWeights, activation: Activation, rows: int) -> jax.Array:
-  """The FFN of each row (rows of id E give zeros), computed tile by tile (sharding/blocked_gemm.py)."""
-  num_tiles, rows = blocked_tiles(x_RD.shape[0], w.num_experts, rows)
+def _blocked_ffn(x_RD, order_R, sorted_expert_R, sizes_E, w: ExpertWeights, activation: Activation,
+                 rows: int) -> jax.Array:
+  """The FFN of each row in sorted order (rows of id E give zeros), computed tile by tile."""
+  num_rows, d = x_RD.shape
+  num_experts = w.num_experts
+  num_tiles, rows = blocked_tiles(num_rows, num_experts, rows)
+  tiles_E = (sizes_E + rows - 1) // rows
+  first_tile_E = jnp.cumsum(tiles_E) - tiles_E
+  first_sorted_E = jnp.cumsum(sizes_E) - sizes_E
+  valid_R = sorted_expert_R < num_experts
+  expert_R = jnp.minimum(sorted_expert_R, num_experts - 1)
+  # Buffer slot of each sorted row: its expert's first tile, then its rank inside the expert. Zero rows
+  # point past the buffer, so they are neither written nor read back.
+  slot_R = jnp.where(valid_R, first_tile_E[expert_R] * rows + jnp.arange(num_rows) - first_sorted_E[expert_R],
+                     num_tiles * rows)
+  # Unused buffer slots read row `num_rows`: an all-zero row appended to x.
+  source_P = jnp.full((num_tiles * rows,), num_rows, jnp.int32).at[slot_R].set(order_R, mode="drop")
+  x_PD = jnp.concatenate([x_RD, jnp.zeros_like(x_RD[:1])])[source_P]
+  # Tiles past the last used one get expert E-1; their rows are zero and never read back.
+  expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(num_tiles), side="right"),
+                         num_experts - 1)
   dtype = x_RD.dtype
-  return blocked_gemm.tiled_ffn(x_RD, blocked_gemm.tile_table(order_R, sizes_E, num_tiles, rows),
-                                w.gate_EDF.astype(dtype), w.up_EDF.astype(dtype), w.down_EFD.astype(dtype), rows,
-                                activation)
+  x_MPD = x_PD.reshape(num_tiles, rows, d)
+  gate = jnp.einsum("mpd,mdf->mpf", x_MPD, w.gate_EDF[expert_M].astype(dtype))
+  up = jnp.einsum("mpd,mdf->mpf", x_MPD, w.up_EDF[expert_M].astype(dtype))
+  y_MPD = jnp.einsum("mpf,mfd->mpd", activation(gate, up), w.down_EFD[expert_M].astype(dtype))
+  return jnp.take(y_MPD.reshape(num_tiles * rows, d), slot_R, axis=0, mode="fill", fill_value=0)
 
 
 def combine(y_AD: jax.Array, weight_A: jax.Array, token_A: jax.Array, num_tokens: int) -> jax.Array:

@@ -118,9 +118,11 @@ def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tup
 def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: float) -> tuple[float, float]:
   """(bytes one MoE layer keeps for its backward pass, bytes live only at the backward's peak, once).
 
-  Blocked GEMM: the tiled rows and their gate, up and hidden units; the loop over tiles multiplies each
-  by its expert's weights in place (sharding/blocked_gemm.py), so no weight copies. tokamax: the receive
-  buffer as is, and the backward's [R, 2F] gate/up cotangent. ragged_dot: XLA rewrites it into dense products over every local expert, and [E/ep, rows, F] buffers
+  Blocked GEMM: each tile's gathered expert weights are kept; their gradients are per-tile buffers of the
+  same size. Under remat the backward rebuilds one layer's gathered weights and each gradient takes the
+  buffer its weight frees once used; without remat the saved weights of all layers live in one stacked
+  buffer (the layer scan's) until the backward loop ends, so the gradients need buffers of their own.
+  tokamax: the receive buffer as is, and the backward's [R, 2F] gate/up cotangent. ragged_dot: XLA rewrites it into dense products over every local expert, and [E/ep, rows, F] buffers
   for gate, up and their gradients are live at the backward's peak."""
   choice = plan.ops.get("moe")
   if choice is None:  # no MoE layer
@@ -153,11 +155,13 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
       weights = 3 * receive_rows // cost_kernels.TILE_ROWS * d * width * c
       transient += (weights if m.remat == "none" else 0.0) + ep * (send_rows + receive_rows) * d * c
     return 2 * residual + buffers + hidden + weights + gathered * moe.num_experts * 4 * 3, transient
-  if choice.grouped_gemm == "blocked":  # every chunk's tiles; the loop over them copies no weights
+  if choice.grouped_gemm == "blocked":  # every chunk's tiles and their gathered weights are kept
     shapes = [blocked_tiles(ep * tokens * moe.top_k, local_experts, choice.block_rows)
               for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks)]
+    tiles = sum(count for count, _ in shapes)
     tiled_rows = sum(count * height for count, height in shapes)
-    weights, transient = 0.0, 0.0
+    weights = 3 * tiles * d * width * c
+    transient = weights if m.remat == "none" else 0.0
   elif choice.grouped_gemm == "tokamax":  # the receive buffer as is; the kernels make no dense intermediate
     tiled_rows, weights = rows, 0.0
     transient = 2 * rows * width * c  # the backward's gate/up cotangent, [R, 2F]
