@@ -13,8 +13,9 @@ them. Each device routes its own tokens, then per MoE layer:
 4. runs its experts' FFN over the received rows (grouped_ffn.grouped_ffn; padding rows give zeros);
 5. sends the outputs back the same way and combines them, weighted, into its tokens (fp32 accumulation).
 
-Dropless needs receive buffers for the worst case (ep*A rows); the blocked CPU GEMM computes all of them,
-so its executed expert FLOPs are up to ep x the useful ones (the GPU ragged_dot computes only real rows).
+Dropless needs receive buffers for the worst case (ep*A rows); the grouped GEMMs compute only the rows
+routing sent (the CPU's blocked GEMM in blocks sized for balanced routing, A rows, plus overflow tiles;
+tokamax's GPU kernels only the tiles holding rows).
 Capacity mode marks dropped assignments with expert id E before calling here: they are never sent.
 
 Expert-tensor parallelism: when the rules also split the experts' width (`exp_mlp`) over some axes, each
@@ -181,9 +182,10 @@ def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.A
 
 def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activation,
              choice: ExpertChoice) -> jax.Array:
-  """Step 4: my experts (w holds only this device's slice); padding rows (id E/ep) give zeros."""
+  """Step 4: my experts (w holds only this device's slice); padding rows (id E/ep) give zeros. Of the
+  ep x A rows of the worst-case buffer, routing that balances the experts sends me A."""
   return grouped_ffn.grouped_ffn(received_RD, route.expert_R, w, activation, choice.grouped_gemm,
-                                 choice.block_rows, choice.gemm_kernels)
+                                 choice.block_rows, choice.gemm_kernels, routed_rows=route.order_A.shape[0])
 
 
 def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, ep: int) -> jax.Array:

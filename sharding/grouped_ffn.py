@@ -17,10 +17,10 @@ The grouped GEMM (`gemm`, the plan's `grouped_gemm`) is one of:
   zeroes their cotangents). Elsewhere tokamax runs its XLA version (dense; for tests only).
 - `ragged_dot`: rows sorted by expert, one `jax.lax.ragged_dot` per matrix. XLA lowers it densely over
   every group (E x the useful FLOPs) on CPU and GPU: for platforms without a better kernel.
-- `blocked`: rows sorted by expert into tiles of `rows` rows, each tile holding one expert's rows (groups
-  padded to whole tiles, at most E*(rows-1) padding rows); each tile multiplies its expert's gathered
-  weights. Executed FLOPs are the useful ones plus the padding: the CPU path. Gathering weights per tile
-  costs memory (tiles x D x F), which is why it is not the GPU path.
+- `blocked`: rows sorted by expert; each expert's first C rows (its share of the routed rows) in one
+  dense [E, C, D] block buffer multiplied by batched GEMMs, the rows past an expert's block in tiles of
+  `block_rows` rows run by a loop (sharding/blocked_gemm.py). Under balanced routing it computes the
+  routed rows and nothing else, whatever the size of the worst-case buffer: the CPU path.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import backend
 
-from meshmoe.sharding import tokamax_gemm
+from meshmoe.sharding import blocked_gemm, tokamax_gemm
 
 
 @dataclasses.dataclass
@@ -51,23 +51,9 @@ jax.tree_util.register_dataclass(ExpertWeights)
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden units
 
 
-def choose_block_rows(num_rows: int, num_experts: int) -> int:
-  """Largest power-of-two tile height whose worst-case padding E*(rows-1) stays within 1/8 of the rows."""
-  rows = 1
-  while num_experts * (2 * rows - 1) <= num_rows // 8:
-    rows *= 2
-  return rows
-
-
-def blocked_tiles(num_rows: int, num_experts: int, block_rows: int = 0) -> tuple[int, int]:
-  """(tiles, rows per tile) of the blocked layout of `num_rows` rows over `num_experts` experts: every
-  expert's rows padded to whole tiles, sized for the worst case; `block_rows` 0 chooses the height."""
-  rows = block_rows or choose_block_rows(num_rows, num_experts)
-  return (num_rows + num_experts * (rows - 1)) // rows, rows
-
-
 def grouped_ffn(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, activation: Activation, gemm: str,
-                block_rows: int = 0, kernels: tokamax_gemm.Kernels | None = None) -> jax.Array:
+                block_rows: int = 0, kernels: tokamax_gemm.Kernels | None = None,
+                routed_rows: int = 0) -> jax.Array:
   """y_RD[r] = the FFN of expert `expert_R[r]` applied to x_RD[r]; zero where expert_R[r] == E. `gemm` is
   the grouped GEMM, "tokamax", "ragged_dot" or "blocked" (module docstring); `kernels` tokamax's
   implementations (the plan's; default: its XLA version)."""
@@ -81,8 +67,8 @@ def grouped_ffn(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, activati
                             kernels or tokamax_gemm.Kernels("xla", "xla"))
   elif gemm == "ragged_dot":
     y_sorted = jnp.where(valid_R, _ragged_ffn(x_RD[order_R], sizes_E, w, activation), 0)
-  elif gemm == "blocked":
-    y_sorted = _blocked_ffn(x_RD, order_R, sorted_expert_R, sizes_E, w, activation, block_rows)
+  elif gemm == "blocked":  # the blocks and tiles gather their rows and scatter their outputs back
+    return _blocked_ffn(x_RD, order_R, sizes_E, w, activation, block_rows, routed_rows)
   else:
     raise ValueError(f"unknown grouped GEMM {gemm!r}; known: 'blocked', 'tokamax', 'ragged_dot'")
   return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted, unique_indices=True)
@@ -120,33 +106,15 @@ def _tokamax_ffn(x_RD, sizes_E, valid_R, w: ExpertWeights, activation: Activatio
 _TOKAMAX_ROW_TILE = 8
 
 
-def _blocked_ffn(x_RD, order_R, sorted_expert_R, sizes_E, w: ExpertWeights, activation: Activation,
-                 rows: int) -> jax.Array:
-  """The FFN of each row in sorted order (rows of id E give zeros), computed tile by tile."""
-  num_rows, d = x_RD.shape
-  num_experts = w.num_experts
-  num_tiles, rows = blocked_tiles(num_rows, num_experts, rows)
-  tiles_E = (sizes_E + rows - 1) // rows
-  first_tile_E = jnp.cumsum(tiles_E) - tiles_E
-  first_sorted_E = jnp.cumsum(sizes_E) - sizes_E
-  valid_R = sorted_expert_R < num_experts
-  expert_R = jnp.minimum(sorted_expert_R, num_experts - 1)
-  # Buffer slot of each sorted row: its expert's first tile, then its rank inside the expert. Zero rows
-  # point past the buffer, so they are neither written nor read back.
-  slot_R = jnp.where(valid_R, first_tile_E[expert_R] * rows + jnp.arange(num_rows) - first_sorted_E[expert_R],
-                     num_tiles * rows)
-  # Unused buffer slots read row `num_rows`: an all-zero row appended to x.
-  source_P = jnp.full((num_tiles * rows,), num_rows, jnp.int32).at[slot_R].set(order_R, mode="drop")
-  x_PD = jnp.concatenate([x_RD, jnp.zeros_like(x_RD[:1])])[source_P]
-  # Tiles past the last used one get expert E-1; their rows are zero and never read back.
-  expert_M = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(num_tiles), side="right"),
-                         num_experts - 1)
+def _blocked_ffn(x_RD, order_R, sizes_E, w: ExpertWeights, activation: Activation, tile_rows: int,
+                 routed_rows: int) -> jax.Array:
+  """The FFN of each row (rows of id E give zeros) in capacity blocks and overflow tiles
+  (sharding/blocked_gemm.py)."""
   dtype = x_RD.dtype
-  x_MPD = x_PD.reshape(num_tiles, rows, d)
-  gate = jnp.einsum("mpd,mdf->mpf", x_MPD, w.gate_EDF[expert_M].astype(dtype))
-  up = jnp.einsum("mpd,mdf->mpf", x_MPD, w.up_EDF[expert_M].astype(dtype))
-  y_MPD = jnp.einsum("mpf,mfd->mpd", activation(gate, up), w.down_EFD[expert_M].astype(dtype))
-  return jnp.take(y_MPD.reshape(num_tiles * rows, d), slot_R, axis=0, mode="fill", fill_value=0)
+  capacity = blocked_gemm.capacity_rows(routed_rows or x_RD.shape[0], w.num_experts)
+  lay = blocked_gemm.layout(order_R, sizes_E, capacity, tile_rows or blocked_gemm.DEFAULT_TILE_ROWS)
+  return blocked_gemm.blocked_ffn(x_RD, lay, w.gate_EDF.astype(dtype), w.up_EDF.astype(dtype),
+                                  w.down_EFD.astype(dtype), activation)
 
 
 def combine(y_AD: jax.Array, weight_A: jax.Array, token_A: jax.Array, num_tokens: int) -> jax.Array:

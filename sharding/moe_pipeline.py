@@ -24,8 +24,8 @@ barrier's transpose orders the backward the same way, last chunk first.
 
 Sizes, for A = T*K assignments per device split into chunks of A_c (sum A_c = A), ep devices holding the
 experts, D the model width: each chunk's receive and return buffers are ep x A_c rows instead of ep x A,
-so one chunk's padded buffers (CPU), and the rows the blocked CPU GEMM computes in one go, shrink by about
-C (how many chunks' buffers are live at once is the scheduler's choice). Bytes each device moves per call
+so one chunk's padded buffers (CPU), and the blocks the blocked CPU GEMM computes in one go, shrink by
+about C (how many chunks' buffers are live at once is the scheduler's choice). Bytes each device moves per call
 are the reference's: the tokens there and back, 2 x (ep-1) x A x D elements of their dtype on CPU (the
 padded slots for the other devices; on GPU ragged_all_to_all sends only the real rows, twice), plus one
 group-size all_to_all of (ep-1) x E/ep int32 per chunk, where the reference has one in all. The backward

@@ -74,3 +74,16 @@ def vary_over(a: jax.Array, axes: Axes) -> jax.Array:
   backward pass, as autodiff does where an invariant operand meets a varying one."""
   missing = without(axes, varying_axes(a))
   return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+def typed_like(grad: jax.Array, primal: jax.Array, operands) -> jax.Array:
+  """The cotangent of `primal`, computed (by a custom VJP) from `operands`, typed over exactly the primal's
+  mesh axes. It varies where its operands do (whatever type a kernel gave it: a Mosaic GPU kernel's result
+  carries none); over the axes where the primal does not (an invariant weight's gradient from varying
+  rows) it is summed, as autodiff sums it."""
+  varying = tuple(sorted(set().union(*(varying_axes(a) for a in operands))))
+  grad = vary_over(grad, varying)
+  extra = without(varying, varying_axes(primal))
+  if extra:
+    grad = jax.lax.psum(grad, extra)
+  return vary_over(grad, varying_axes(primal))

@@ -176,7 +176,7 @@ class ExpertChoice(OpChoice):
   exchange: str = ""  # "ragged_all_to_all" (GPU) or "padded_all_to_all" (XLA:CPU has no ragged one)
   grouped_gemm: str = ""  # "tokamax", "ragged_dot" or "blocked" (sharding/grouped_ffn.py)
   gemm_kernels: tokamax_gemm.Kernels | None = None  # tokamax's implementations, for "tokamax"
-  block_rows: int = 0  # rows per tile of the blocked GEMM; 0 chooses from the shapes
+  block_rows: int = 0  # rows per overflow tile of the blocked GEMM; 0: blocked_gemm.DEFAULT_TILE_ROWS
   chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
 
 

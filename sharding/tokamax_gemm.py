@@ -102,20 +102,8 @@ def _backward(kernels: Kernels, saved, dy_MN):
                              implementation=kernels.rows)
   dw_GKN = tokamax.ragged_dot_general(x_MK, dy_MN, sizes_G, _WEIGHT_GRADIENT, preferred_element_type=w_GKN.dtype,
                                       implementation=kernels.contraction)
-  return _typed_like(dx_MK, x_MK, (dy_MN, w_GKN)), _typed_like(dw_GKN, w_GKN, (x_MK, dy_MN)), None
-
-
-def _typed_like(grad: jax.Array, primal: jax.Array, operands) -> jax.Array:
-  """The cotangent of `primal`, computed from `operands`, typed over exactly the primal's mesh axes. It
-  varies where its operands do (whatever type a kernel gave it: Mosaic's carries none); over the axes
-  where the primal does not (an invariant weight's gradient from varying rows) it is summed, as autodiff
-  sums it."""
-  varying = tuple(sorted(set().union(*(parallel.varying_axes(a) for a in operands))))
-  grad = parallel.vary_over(grad, varying)
-  extra = parallel.without(varying, parallel.varying_axes(primal))
-  if extra:
-    grad = jax.lax.psum(grad, extra)
-  return parallel.vary_over(grad, parallel.varying_axes(primal))
+  return (parallel.typed_like(dx_MK, x_MK, (dy_MN, w_GKN)), parallel.typed_like(dw_GKN, w_GKN, (x_MK, dy_MN)),
+          None)
 
 
 _ragged_matmul.defvjp(_forward, _backward)

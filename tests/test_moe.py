@@ -153,15 +153,6 @@ def test_dropless_drops_nothing_and_counts_every_assignment():
   assert float(jnp.sum(stats.load_E)) == B * S * 2
 
 
-@pytest.mark.parametrize("assignments,experts,expected", [(256, 8, 4), (4096, 8, 64), (16, 8, 1)])
-def test_block_rows_bound_padding(assignments, experts, expected):
-  """Tiles as tall as possible while worst-case padding E*(rows-1) stays within 1/8 of the rows."""
-  rows = grouped_ffn.choose_block_rows(assignments, experts)
-  assert rows == expected
-  assert experts * (rows - 1) <= assignments // 8
-  assert rows == 1 or experts * (2 * rows - 1) > assignments // 8  # the next power of two would not fit
-
-
 def test_blocked_gemm_executes_no_dense_expert_flops():
   """On CPU the default path must not compute every expert for every token (ragged_dot does)."""
   cfg = dataclasses.replace(MoEConfig(), num_experts=8, top_k=2, expert_mlp_dim=64)

@@ -259,26 +259,39 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
       costs.append(CollectiveCost("gradients", "all-reduce", group, nbytes))
 
 
+def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:
+  """Whether the backward pass all-gathers a layer's FSDP-split weights again rather than keeping the
+  forward's gathered copy: always under remat (the recomputed forward gathers them), and for the routed
+  experts' float32 weights on one expert shard, which the blocked GEMM's custom VJP keeps as stored."""
+  if config.model.remat != "none":
+    return True
+  choice = plan.ops.get("moe")
+  return (experts and choice is not None and choice.implementation == "local" and choice.grouped_gemm == "blocked"
+          and jnp.dtype(config.model.dtype) == jnp.float32)
+
+
 def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
-  """Weights stored split but used whole, all-gathered by GSPMD: FSDP's `embed` split before each use
-  (once per micro-batch: the forward's copy serves the backward), a vocabulary split of the embedding
+  """Weights stored split but used whole, all-gathered by GSPMD: FSDP's `embed` split before each use (in
+  the forward, and again in the backward where `weights_regathered`), a vocabulary split of the embedding
   tables (`tp_sp`), and ZeRO-1's parameters after the sharded update (once per step)."""
   m, moe, t = lay.config.model, lay.config.model.moe, lay.config.train
   c = jnp.dtype(m.dtype).itemsize
   num_moe = m.num_layers - m.num_dense_layers
   d, h = m.embed_dim, m.head_dim
-  # (logical names, elements, bytes per element when used, once per micro-batch)
+  layer = 1 + weights_regathered(lay.config, lay.plan, experts=False)  # gathers per micro-batch
+  experts = 1 + weights_regathered(lay.config, lay.plan, experts=True)
+  # (logical names, elements, bytes per element when used, gathers per micro-batch)
   weights = [
-      (("embed", "heads", "head_dim"), m.num_layers * d * m.num_heads * h * 2, c, True),
-      (("embed", "kv_heads", "head_dim"), m.num_layers * d * m.num_kv_heads * h * 2, c, True),
-      (("embed", "mlp"), m.num_dense_layers * d * m.mlp_dim * 3, c, True),
-      (("embed", "mlp"), num_moe * d * moe.num_shared_experts * moe.expert_mlp_dim * 3, c, True),
-      (("exp", "embed", "exp_mlp"), num_moe * moe.num_experts * d * moe.expert_mlp_dim * 3, c, True),
-      (("embed", None), num_moe * d * moe.num_experts, 4, True),
-      (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 4, True),
+      (("embed", "heads", "head_dim"), m.num_layers * d * m.num_heads * h * 2, c, layer),
+      (("embed", "kv_heads", "head_dim"), m.num_layers * d * m.num_kv_heads * h * 2, c, layer),
+      (("embed", "mlp"), m.num_dense_layers * d * m.mlp_dim * 3, c, layer),
+      (("embed", "mlp"), num_moe * d * moe.num_shared_experts * moe.expert_mlp_dim * 3, c, layer),
+      (("exp", "embed", "exp_mlp"), num_moe * moe.num_experts * d * moe.expert_mlp_dim * 3, c, experts),
+      (("embed", None), num_moe * d * moe.num_experts, 4, 1),
+      (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 4, 1),
   ]
   used_total = update_total = 0.0
-  for names, elements, itemsize, _ in weights:
+  for names, elements, itemsize, gathers in weights:
     if not elements:
       continue
     stored = lay.size(tuple(a for dim in lay.stored(*names) for a in dim))
@@ -286,7 +299,7 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
     # outside them (embedding, router) GSPMD gathers it whole.
     used = lay.size(tuple(a for dim in lay.weight(*names) for a in dim)) if names[0] != "vocab" else 1
     if stored > used:
-      used_total += t.grad_accum_steps * moved_bytes("all-gather", stored // used, elements * itemsize / used)
+      used_total += gathers * t.grad_accum_steps * moved_bytes("all-gather", stored // used, elements * itemsize / used)
     updated = lay.size(tuple(a for dim in lay.updated(*names) for a in dim))
     if updated > stored:
       update_total += moved_bytes("all-gather", updated // stored, elements * 4 / stored)

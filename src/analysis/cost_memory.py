@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshmoe.analysis import cost_kernels
+from meshmoe.analysis import cost_collectives, cost_kernels
 from meshmoe.config import Config
 from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
-from meshmoe.sharding import moe_pipeline, parallel
-from meshmoe.sharding.grouped_ffn import blocked_tiles
+from meshmoe.sharding import blocked_gemm, moe_pipeline, parallel
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import logical_axes_of
 
@@ -58,8 +57,28 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
     return sum(4 * math.prod(shape) / _shards(plan, spec_of(n)) for shape, n in zip(shapes, names))
 
   param_bytes = placed_bytes(plan.param_spec)
+  activations = _activation_bytes(config, plan)
+  if config.model.remat == "none":
+    activations += _layer_weight_copies(config, plan, shapes, names)
   return MemoryCost(params=param_bytes, gradients=param_bytes, optimizer=2 * placed_bytes(plan.optimizer_spec),
-                    activations=_activation_bytes(config, plan))
+                    activations=activations)
+
+
+def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:
+  """Without remat, the backward pass reads each layer's weights as its ops used them. Where those are new
+  values (gathered from their FSDP shards, or cast to the compute dtype), the layer scan keeps one per
+  layer; weights used as stored are read from the stacked parameters (and gathered again where
+  `cost_collectives.weights_regathered`)."""
+  c = jnp.dtype(config.model.dtype).itemsize
+  experts_regathered = cost_collectives.weights_regathered(config, plan, experts=True)
+  copies = 0.0
+  for shape, logical in zip(shapes, names):
+    if not logical or logical[0] != "layers" or (experts_regathered and "exp" in logical):
+      continue
+    gathered = _shards(plan, plan.weight_spec(logical)) != _shards(plan, plan.param_spec(logical))
+    if gathered or c != 4:
+      copies += c * math.prod(shape) / _shards(plan, plan.weight_spec(logical))
+  return copies
 
 
 def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
@@ -105,7 +124,9 @@ def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tup
   heads_split = _shards(plan, plan.activation_spec((None, None, "act_heads")))
   rows = micro / batch_split * t.seq_len / seq_split
   qkvo = rows * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * c / heads_split
-  probs = rows * m.num_heads / heads_split * t.seq_len * 4  # each query's scores over the whole sequence
+  # Each query's scores over the whole sequence, twice: autodiff of the einsum blocks' softmax keeps the
+  # exponentials and the normalised probabilities.
+  probs = 2 * rows * m.num_heads / heads_split * t.seq_len * 4
   if plan.ops["attention"].kernel_backend in ("mosaic", "triton"):
     # A flash kernel keeps no scores: its output and float32 log-sum-exp statistics (max, denominator).
     probs = rows * m.num_heads / heads_split * (m.head_dim * c + 2 * 4)
@@ -155,13 +176,22 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
       weights = 3 * receive_rows // cost_kernels.TILE_ROWS * d * width * c
       transient += (weights if m.remat == "none" else 0.0) + ep * (send_rows + receive_rows) * d * c
     return 2 * residual + buffers + hidden + weights + gathered * moe.num_experts * 4 * 3, transient
-  if choice.grouped_gemm == "blocked":  # every chunk's tiles and their gathered weights are kept
-    shapes = [blocked_tiles(ep * tokens * moe.top_k, local_experts, choice.block_rows)
-              for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks)]
-    tiles = sum(count for count, _ in shapes)
-    tiled_rows = sum(count * height for count, height in shapes)
-    weights = 3 * tiles * d * width * c
-    transient = weights if m.remat == "none" else 0.0
+  if choice.grouped_gemm == "blocked":
+    # The blocks and overflow tiles (sharding/blocked_gemm.py) read the rows in place and keep gate and up
+    # of every chunk's rows, by sorted position, plus one tile of slack; the output rows are [R, D].
+    kept_rows = sum(ep * tokens * moe.top_k + (choice.block_rows or blocked_gemm.DEFAULT_TILE_ROWS)
+                    for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks))
+    hidden = rows * d * c + 2 * kept_rows * width * c
+    router = gathered * moe.num_experts * 4 * 3
+    # The GEMMs read one layer's weights sliced out of the stacked parameters (a copy: a loop cannot read a
+    # slice in place). The backward adds the input gradient [R, D], float32 weight-gradient sums, and the
+    # blocks' operands and results: rows, their cotangents and input gradients [E, C, D], gate, up, the
+    # hidden units, their cotangents and dgate, dup [E, C, F].
+    layer_weights = 3 * local_experts * d * width
+    blocks = sum(local_experts * blocked_gemm.capacity_rows(tokens * moe.top_k, local_experts)
+                 for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks))
+    transient = layer_weights * (c + 4) + rows * d * c + blocks * (3 * d + 6 * width) * c
+    return 2 * residual + buffers + hidden + router, transient
   elif choice.grouped_gemm == "tokamax":  # the receive buffer as is; the kernels make no dense intermediate
     tiled_rows, weights = rows, 0.0
     transient = 2 * rows * width * c  # the backward's gate/up cotangent, [R, 2F]

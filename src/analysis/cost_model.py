@@ -19,12 +19,10 @@ it.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from meshmoe.analysis import cost_collectives, cost_kernels, cost_memory
 from meshmoe.config import Config, ModelConfig
-from meshmoe.sharding import moe_pipeline, parallel
-from meshmoe.sharding.grouped_ffn import blocked_tiles
+from meshmoe.sharding import blocked_gemm, moe_pipeline, parallel
 from meshmoe.sharding.plan import ParallelPlan, projection_blocks
 
 
@@ -91,6 +89,14 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   # Work done once per group of devices holding the same tokens is repeated on each of them.
   per_device["router"] = useful.router / split("act_batch", "act_seq")
   per_device["logits"] = useful.logits / split("act_batch", "act_seq", "act_vocab")
+  # A projection block's tokens (gathered over the axes that split its weights and the sequence) times
+  # its weights' share: under megascale a dense MLP, whose width no axis splits, runs whole on every
+  # `tensor` device for the same tokens.
+  for block, weights_in, _ in projection_blocks(config):
+    tp_axes, gathered = plan.projection_axes([names for names, _ in weights_in])
+    share = split("act_batch", "act_seq") // plan.axis_size(gathered) * plan.axis_size(tp_axes)
+    name = "attention_projections" if block == "attention" else block
+    per_device[name] = getattr(useful, name) / share
   n = plan.axis_size(plan.attention_axes())
   dense_scores = useful.attention_scores * t.seq_len / (t.seq_len + 1) * 2  # all S x S pairs
   attention = plan.ops["attention"]
@@ -148,8 +154,9 @@ def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) 
     chunk_rows = [tokens * moe.top_k for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks)]
     computed_rows = sum(cost_kernels.tokamax_worst_rows(lay.ep * rows, local_experts) if worst_case
                         else cost_kernels.tokamax_rows(rows / local_experts, local_experts) for rows in chunk_rows)
-  elif choice.grouped_gemm == "blocked":  # each chunk's receive rows padded to whole tiles on their own
-    computed_rows = sum(math.prod(blocked_tiles(lay.ep * tokens * moe.top_k, local_experts, choice.block_rows))
+  elif choice.grouped_gemm == "blocked":  # each chunk's capacity blocks (and overflow tiles: worst case)
+    computed_rows = sum(blocked_gemm.computed_rows(tokens * moe.top_k, lay.ep * tokens * moe.top_k, local_experts,
+                                                   choice.block_rows, worst_case)
                         for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks))
   else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert (tokamax's
     computed_rows = rows * local_experts  # XLA version too)
