@@ -113,7 +113,8 @@ def blocked_ffn(x_RD: jax.Array, lay: Layout, gate_EDF: jax.Array, up_EDF: jax.A
   # Inside shard_map, the loop's carries vary over every mesh axis an operand does: the rows are marked
   # so, the weights are left as they are (marked, they would be new values, which a layer scan keeps per
   # layer for the backward pass instead of reading the stacked parameters).
-  axes = tuple(sorted(set().union(*(parallel.varying_axes(a) for a in (x_RD, gate_EDF, up_EDF, down_EFD, lay.source_P)))))
+  operands = (x_RD, gate_EDF, up_EDF, down_EFD, lay.source_P)
+  axes = tuple(sorted(set().union(*(parallel.varying_axes(a) for a in operands))))
   return _blocked(parallel.vary_over(x_RD, axes), lay, gate_EDF, up_EDF, down_EFD, activation)
 
 

@@ -22,7 +22,8 @@ R, D, F, E = 48, 8, 12, 4
 _rng = np.random.default_rng(0)
 X_RD = jnp.asarray(_rng.normal(size=(R, D)), jnp.float32)
 DY_RD = jnp.asarray(_rng.normal(size=(R, D)), jnp.float32)
-W = ExpertWeights(*(jnp.asarray(_rng.normal(size=shape) * 0.3, jnp.float32) for shape in ((E, D, F), (E, D, F), (E, F, D))))
+W = ExpertWeights(*(jnp.asarray(_rng.normal(size=shape) * 0.3, jnp.float32)
+                    for shape in ((E, D, F), (E, D, F), (E, F, D))))
 
 
 def _dense_reference(x_RD, expert_R, w: ExpertWeights):
@@ -76,8 +77,8 @@ def _placements(expert_R: np.ndarray, capacity: int, tile_rows: int) -> np.ndarr
   """How many times the layout computes each input row (blocks + overflow tiles' own rows)."""
   order_R = np.argsort(expert_R, kind="stable")
   sizes_E = np.bincount(expert_R, minlength=E + 1)[:E]
-  lay = jax.tree.map(np.asarray, blocked_gemm.layout(jnp.asarray(order_R, jnp.int32), jnp.asarray(sizes_E, jnp.int32),
-                                                     capacity, tile_rows))
+  lay = blocked_gemm.layout(jnp.asarray(order_R, jnp.int32), jnp.asarray(sizes_E, jnp.int32), capacity, tile_rows)
+  lay = jax.tree.map(np.asarray, lay)
   count = np.bincount(lay.source_EC.ravel(), minlength=R + 1)[:R]
   for m in range(int(lay.tiles.used)):
     start, end = lay.tiles.start_M[m], lay.tiles.end_M[m]
@@ -89,8 +90,9 @@ def _placements(expert_R: np.ndarray, capacity: int, tile_rows: int) -> np.ndarr
 @pytest.mark.parametrize("tile_rows", [1, 5, 16])
 @pytest.mark.parametrize("routing", ["balanced", "skewed", "one_expert", "with_padding"])
 def test_every_routed_row_is_computed_once(routing, tile_rows):
-  expert_R = {"balanced": np.arange(R) % E, "skewed": np.minimum(np.arange(R) // 7, E - 1),
-              "one_expert": np.full(R, 2), "with_padding": np.where(np.arange(R) % 3 == 0, E, np.arange(R) % E)}[routing]
+  rows = np.arange(R)
+  expert_R = {"balanced": rows % E, "skewed": np.minimum(rows // 7, E - 1), "one_expert": np.full(R, 2),
+              "with_padding": np.where(rows % 3 == 0, E, rows % E)}[routing]
   capacity = blocked_gemm.capacity_rows(R, E)
   np.testing.assert_array_equal(_placements(expert_R, capacity, tile_rows), (expert_R < E).astype(int))
 
