@@ -16,7 +16,7 @@ gradient is non-finite, plus any parameter that is itself non-finite.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -55,9 +55,11 @@ def squared_norms(grads: Any, stacked: Sequence[bool]) -> list[jax.Array]:
           for g, s in zip(leaves, stacked, strict=True)]
 
 
-def guard(finite: jax.Array, new: Any, old: Any) -> Any:
-  """`new` where the step was finite, else `old` (leaf by leaf, on device)."""
-  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+def guard(finite: jax.Array, update: Callable[..., Any], state: tuple) -> Any:
+  """update(*state) where the step was finite, else `state` unchanged (on device). A `cond`, not a select
+  of the two: a select reads the old and the new state everywhere and keeps the old one alive through
+  the update, which cost 13% of a CPU step on MaxText's tiny-MoE shape."""
+  return jax.lax.cond(finite, update, lambda *state: state, *state)
 
 
 class Monitor:

@@ -180,13 +180,17 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
     grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     expert_load = jnp.sum(terms["expert_load"], axis=0)
-    model = nnx.merge(graphdef, params, state.others)
-    model.update_expert_bias(expert_load)
-    _, _, others = nnx.split(model, nnx.Param, ...)
-    kept = nonfinite.guard(finite, (params, others, opt_state), (state.params, state.others, state.opt_state))
+
+    def update(params, others, opt_state):
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      model = nnx.merge(graphdef, params, others)
+      model.update_expert_bias(expert_load)
+      _, _, others = nnx.split(model, nnx.Param, ...)
+      return params, others, opt_state
+
+    kept = nonfinite.guard(finite, update, (state.params, state.others, state.opt_state))
     new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0])
     metrics = {
         "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
