@@ -22,7 +22,8 @@ IMPLS = ("reference", "xla", "pallas")
 KERNEL_BACKENDS = ("auto", "collectives")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
 ATTENTION_KERNELS = ("auto", "einsum", "tokamax")
-XLA_FLAG_PRESETS = ("none", "overlap", "overlap_windowed_einsum")  # meshmoe.runtime.xla_flags.PRESETS
+# meshmoe.runtime.xla_flags.PRESETS
+XLA_FLAG_PRESETS = ("none", "overlap", "overlap_double_buffered", "overlap_windowed_einsum")
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
 GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
@@ -129,7 +130,8 @@ class ParallelConfig:
   grouped_gemm: str = "auto"
   gemm_block_rows: int = 0  # rows per overflow tile of the "blocked" GEMM; 0: its default (16)
   # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, collectives
-  # pipelined across loop iterations, combining), "overlap_windowed_einsum" or "none" (XLA's defaults).
+  # pipelined across loop iterations, combining), "overlap_double_buffered" (also double-buffered loops: more
+  # memory), "overlap_windowed_einsum" or "none" (XLA's defaults).
   xla_flags: str = "overlap"
 
   def validate(self) -> "ParallelConfig":

@@ -53,7 +53,23 @@ def _config(sizes, preset, attention, remat, impl="reference"):
 @pytest.mark.parametrize("sizes,preset,attention,remat,impl", LAYOUTS,
                          ids=[f"{p}-{'x'.join(map(str, s))}-{a}-{r}-{i}" for s, p, a, r, i in LAYOUTS])
 def test_cost_model_matches_compiled_step(sizes, preset, attention, remat, impl):
-  config = _config(sizes, preset, attention, remat, impl)
+  _check_against_compiled_step(_config(sizes, preset, attention, remat, impl))
+
+
+ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,remat", ACCUMULATING, ids=[p for _, p, _ in ACCUMULATING])
+def test_cost_model_matches_compiled_step_with_gradient_accumulation(sizes, preset, remat):
+  """Two micro-batches of 16 sequences: the step carries a float32 gradient sum beside each micro-batch's."""
+  config = _config(sizes, preset, "allgather", remat)
+  config.train.global_batch_size, config.train.grad_accum_steps = 32, 2
+  _check_against_compiled_step(config.validate(8))
+
+
+def _check_against_compiled_step(config):
+  preset = config.mesh.preset
   plan = plan_for(config)
   trainer, state = train_step.create(config, plan)
   compiled = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()

@@ -2,7 +2,8 @@
 
 - Parameters, gradients and optimizer state: exact, from each variable's shape and its placement under the
   preset (parameters and gradients by the parameter rules, AdamW's two moments by the optimizer rules:
-  ZeRO-1 and FSDP split them, data parallelism replicates them). All float32.
+  ZeRO-1 and FSDP split them, data parallelism replicates them). All float32; with gradient accumulation
+  the gradients twice (the running sum and the current micro-batch's).
 - Activations kept for the backward pass of one micro-batch, by remat policy:
   `none` keeps every layer's intermediates; `full` keeps each layer's input and rebuilds one layer at a
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
@@ -60,7 +61,9 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
   activations = _activation_bytes(config, plan)
   if config.model.remat == "none":
     activations += _layer_weight_copies(config, plan, shapes, names)
-  return MemoryCost(params=param_bytes, gradients=param_bytes, optimizer=2 * placed_bytes(plan.optimizer_spec),
+  # With gradient accumulation the micro-batch loop carries the float32 sum beside each micro-batch's.
+  gradients = param_bytes * (2 if config.train.grad_accum_steps > 1 else 1)
+  return MemoryCost(params=param_bytes, gradients=gradients, optimizer=2 * placed_bytes(plan.optimizer_spec),
                     activations=activations)
 
 
@@ -194,7 +197,12 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     return 2 * residual + buffers + hidden + router, transient
   elif choice.grouped_gemm == "tokamax":  # the receive buffer as is; the kernels make no dense intermediate
     tiled_rows, weights = rows, 0.0
-    transient = 2 * rows * width * c  # the backward's gate/up cotangent, [R, 2F]
+    # The backward's gate/up cotangent [R, 2F], and the stacked experts' weights of every layer transposed:
+    # the input gradient multiplies by each layer's transposed (cast) weights, and XLA's layout assignment
+    # transposes the stored float32 stack once for all layers instead (seen on every moe_1b layout).
+    stored = (3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * d * moe.expert_mlp_dim * 4
+              / _shards(plan, plan.param_spec(("exp", "embed", "exp_mlp"))))
+    transient = 2 * rows * width * c + stored
   else:  # XLA's ragged_dot: dense over every local expert
     tiled_rows, weights = rows, 0.0
     transient = 4 * local_experts * rows * width * c

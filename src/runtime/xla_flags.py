@@ -14,9 +14,14 @@ Presets:
   early and its done as late as the data allow, so independent compute runs between them; collectives
   inside loops (the layer scan, the micro-batch loop) are pipelined across iterations (the FSDP
   all-gather of layer i+1's weights runs during layer i; gradient reduce-scatters and all-reduces trail
-  by one layer); while loops are double-buffered so a pipelined collective has a buffer to land in; small
-  collectives are combined up to 128 MiB (many tiny gradient all-reduces cost their latency each);
-  collectives get the highest-priority stream so compute kernels do not starve them.
+  by one layer); small collectives are combined up to 128 MiB (many tiny gradient all-reduces cost their
+  latency each); collectives get the highest-priority stream so compute kernels do not starve them.
+- `overlap_double_buffered`: `overlap` plus double-buffered while loops (XLA unrolls each loop by two so a
+  pipelined collective has a buffer to land in). It copies loop-carried buffers: compiled for 8 H100s,
+  moe_1b's xla-tier step needs 20.7 instead of 14.1 GB under `ep`, 21.8 instead of 14.3 under `tp_sp`,
+  19.2 instead of 15.6 under `megascale` (whose collectives overlap less with it: 0.56 against 0.68), and
+  Mixtral-8x7B's on 64 H100s 15 GB more. Only pure data parallelism gained from it (overlap 0.62 against
+  0.53 at the same memory); experiments/benchmarks/RESULTS.md, 2026-11-25.
 - `overlap_windowed_einsum`: `overlap` plus XLA's own collective matmul (windowed einsum) for every
   GSPMD-partitioned einsum whose collective is at least 0 MiB, on multiple streams. The `xla` tier of
   meshmoe's parallel ops decomposes its own matmuls; this preset helps the `reference` tier and the
@@ -38,7 +43,6 @@ _OVERLAP = (
     "--xla_gpu_pipeline_all_gather=on",
     "--xla_gpu_pipeline_all_reduce=on",
     "--xla_gpu_pipeline_reduce_scatter=on",
-    "--xla_gpu_enable_while_loop_double_buffering=true",
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
@@ -48,6 +52,7 @@ _OVERLAP = (
 PRESETS: dict[str, tuple[str, ...]] = {
     "none": (),
     "overlap": _OVERLAP,
+    "overlap_double_buffered": _OVERLAP + ("--xla_gpu_enable_while_loop_double_buffering=true",),
     "overlap_windowed_einsum": _OVERLAP + (
         "--xla_gpu_threshold_for_windowed_einsum_mib=0",
         "--xla_gpu_multi_streamed_windowed_einsum=true",
