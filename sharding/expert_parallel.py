@@ -7,13 +7,15 @@ them. Each device routes its own tokens, then per MoE layer:
 2. exchanges the counts: an all_to_all of [ep, E/ep] int32, so each device knows how many rows each peer
    sends it for each of its experts before any token moves;
 3. exchanges the tokens. GPU: `ragged_all_to_all` sends each peer exactly its rows. CPU (which lacks that
-   op): a padded `all_to_all` of an [ep, A, D] buffer, A rows per peer because all of a device's
-   assignments may go to one peer. Both put peer p's rows at rows [p*A, p*A + n_p) of the receive buffer,
-   so everything after is shared and the two give identical results;
+   op): a padded `all_to_all` of an [ep, S, D] buffer. Each peer gets a slot of S = T*min(K, E/ep) rows
+   (`peer_slot`): a token's K experts are distinct, so at most min(K, E/ep) of its rows go to the E/ep
+   experts of one peer, and all of a device's tokens may. Both put peer p's rows at rows
+   [p*S, p*S + n_p) of the receive buffer, so everything after is shared and the two give identical
+   results;
 4. runs its experts' FFN over the received rows (grouped_ffn.grouped_ffn; padding rows give zeros);
 5. sends the outputs back the same way and combines them, weighted, into its tokens (fp32 accumulation).
 
-Dropless needs receive buffers for the worst case (ep*A rows); the grouped GEMMs compute only the rows
+Dropless needs receive buffers for the worst case (ep*S rows); the grouped GEMMs compute only the rows
 routing sent (the CPU's blocked GEMM in blocks sized for balanced routing, A rows, plus overflow tiles;
 tokamax's GPU kernels only the tiles holding rows).
 Capacity mode marks dropped assignments with expert id E before calling here: they are never sent.
@@ -153,10 +155,16 @@ class _Route(NamedTuple):
   weights_TK: jax.Array  # combine weights
 
 
+def peer_slot(num_tokens: int, top_k: int, local_experts: int) -> int:
+  """S, the most rows one device can send one peer: each token's top_k experts are distinct, so at most
+  min(top_k, E/ep) of its rows go to one peer's experts (step 3 of the module docstring)."""
+  return num_tokens * min(top_k, local_experts)
+
+
 def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.Axes, ep: int,
           local_experts: int) -> tuple[jax.Array, _Route]:
   """Steps 1-3 for tokens x_TD: my assignments' rows, received by their experts' devices. Returns my
-  receive buffer (peer p's rows at [p*A, p*A + n_p), sorted by my local expert) and its route."""
+  receive buffer (peer p's rows at [p*S, p*S + n_p), sorted by my local expert) and its route."""
   num_tokens, k = experts_TK.shape
   num_assignments = num_tokens * k
   token_A = jnp.arange(num_assignments) // k
@@ -171,13 +179,14 @@ def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.A
   # 2. Counts first: recv_PE[p, e] = rows peer p sends for my local expert e.
   recv_PE = jax.lax.all_to_all(counts_E.reshape(ep, local_experts), axes, 0, 0)
   recv_P = jnp.sum(recv_PE, axis=1)
-  # 3. Tokens: rows [p*A, p*A + recv_P[p]) of the buffer come from peer p, sorted by my local expert.
+  # 3. Tokens: rows [p*S, p*S + recv_P[p]) of the buffer come from peer p, sorted by my local expert.
+  slot = peer_slot(num_tokens, k, local_experts)
   sent_AD = x_TD[token_A[order_A]]
-  received_RD = exchange.dispatch(sent_AD, peer_A, rank_A, send_P, recv_P, axes=axes, ep=ep)
+  received_RD = exchange.dispatch(sent_AD, peer_A, rank_A, send_P, recv_P, slot=slot, axes=axes, ep=ep)
   cumulative_PE = jnp.cumsum(recv_PE, axis=1)
-  slot_A = jnp.arange(num_assignments)
-  local_expert_PA = jax.vmap(lambda c: jnp.searchsorted(c, slot_A, side="right"))(cumulative_PE)
-  return received_RD, _Route(local_expert_PA.reshape(-1), order_A, peer_A, rank_A, send_P, recv_P, weights_TK)
+  row_S = jnp.arange(slot)
+  local_expert_PS = jax.vmap(lambda c: jnp.searchsorted(c, row_S, side="right"))(cumulative_PE)
+  return received_RD, _Route(local_expert_PS.reshape(-1), order_A, peer_A, rank_A, send_P, recv_P, weights_TK)
 
 
 def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activation,
@@ -199,23 +208,23 @@ def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, e
   return grouped_ffn.combine(y_AD, route.weights_TK.reshape(-1), token_A, num_tokens)
 
 
-# --- Token exchanges. Both put peer p's rows at rows [p*A, p*A + n_p) of the [ep*A, D] receive buffer, and
-# return the outputs into an [ep, A, D] buffer whose slot p came back from peer p. ---------------------
+# --- Token exchanges. Both put peer p's rows at rows [p*S, p*S + n_p) of the [ep*S, D] receive buffer, and
+# return the outputs into an [ep, S, D] buffer whose slot p came back from peer p. ---------------------
 
 
 class _Exchange(NamedTuple):
-  # (rows_AD sorted by destination, peer_A, rank_A, send_P, recv_P, *, axes, ep) -> [ep*A, D]
+  # (rows_AD sorted by destination, peer_A, rank_A, send_P, recv_P, *, slot S, axes, ep) -> [ep*S, D]
   dispatch: Callable
-  # (y_RD [ep*A, D] in receive layout, recv_P, send_P, *, axes, ep) -> [ep, A, D]
+  # (y_RD [ep*S, D] in receive layout, recv_P, send_P, *, axes, ep) -> [ep, S, D]
   back: Callable
 
 
-def _padded_dispatch(rows_AD, peer_A, rank_A, send_P, recv_P, *, axes, ep):
-  """all_to_all of an [ep, A, D] buffer: my sorted rows go to slot [peer, rank]."""
+def _padded_dispatch(rows_AD, peer_A, rank_A, send_P, recv_P, *, slot, axes, ep):
+  """all_to_all of an [ep, S, D] buffer: my sorted rows go to slot [peer, rank]."""
   del send_P, recv_P  # the padded buffer carries whole slots; the counts only matter to ragged sends
-  num_assignments, d = rows_AD.shape
-  buffer_PAD = jnp.zeros((ep, num_assignments, d), rows_AD.dtype).at[peer_A, rank_A].set(rows_AD, mode="drop")
-  return jax.lax.all_to_all(buffer_PAD, axes, 0, 0).reshape(ep * num_assignments, d)
+  d = rows_AD.shape[-1]
+  buffer_PSD = jnp.zeros((ep, slot, d), rows_AD.dtype).at[peer_A, rank_A].set(rows_AD, mode="drop")
+  return jax.lax.all_to_all(buffer_PSD, axes, 0, 0).reshape(ep * slot, d)
 
 
 def _padded_back(y_RD, recv_P, send_P, *, axes, ep):
@@ -224,16 +233,16 @@ def _padded_back(y_RD, recv_P, send_P, *, axes, ep):
   return jax.lax.all_to_all(y_RD.reshape(ep, -1, y_RD.shape[-1]), axes, 0, 0)
 
 
-def _ragged_dispatch(rows_AD, peer_A, rank_A, send_P, recv_P, *, axes, ep):
+def _ragged_dispatch(rows_AD, peer_A, rank_A, send_P, recv_P, *, slot, axes, ep):
   """ragged_all_to_all into slot [my index] of every receiver's buffer (rows are contiguous per
-  destination already), so a receiver finds peer p's rows at p*A."""
+  destination already), so a receiver finds peer p's rows at p*S."""
   del peer_A, rank_A
   offsets = (jnp.cumsum(send_P) - send_P).astype(jnp.int32)
-  return _ragged_all_to_all(rows_AD, offsets, send_P, recv_P, rows_AD.shape[0], axes, ep)
+  return _ragged_all_to_all(rows_AD, offsets, send_P, recv_P, slot, axes, ep)
 
 
 def _ragged_back(y_RD, recv_P, send_P, *, axes, ep):
-  """Each peer's slot of my receive buffer back into slot [my index] of its [ep, A, D] buffer."""
+  """Each peer's slot of my receive buffer back into slot [my index] of its [ep, S, D] buffer."""
   slot = y_RD.shape[0] // ep
   out = _ragged_all_to_all(y_RD, jnp.arange(ep, dtype=jnp.int32) * slot, recv_P, send_P, slot, axes, ep)
   return out.reshape(ep, slot, -1)

@@ -111,10 +111,11 @@ def test_cpu_program_has_chunks_times_the_token_all_to_alls_each_a_chunk_of_the_
   assert dispatch_bytes == return_bytes and ref_sizes == 1
   token_bytes, group_sizes = _all_to_alls(pipelined)
   assert group_sizes == chunks, "one group-size exchange per chunk"
-  # Dispatch and return per chunk, each ep x (the chunk's assignments) rows: the reference's buffer split in
+  # Dispatch and return per chunk, each ep x (the chunk's peer slot) rows: the reference's buffer split in
   # proportion to the chunk's tokens (uneven chunks with 3).
   ep, (_, _, d), k = sizes[1], x.shape, experts.shape[-1]
-  num_tokens = int(dispatch_bytes) // (ep * k * d * 4)  # the reference's buffer: ep x T*K rows of D floats
+  per_token = min(k, w.num_experts // ep)  # rows one token can send one peer (expert_parallel.peer_slot)
+  num_tokens = int(dispatch_bytes) // (ep * per_token * d * 4)  # the reference's buffer: ep x S rows of D floats
   bounds = moe_pipeline.chunk_bounds(num_tokens, chunks)
   want = sorted(2 * [dispatch_bytes * (hi - lo) / num_tokens for lo, hi in zip(bounds, bounds[1:])])
   assert sorted(token_bytes) == want

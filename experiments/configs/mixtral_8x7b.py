@@ -17,10 +17,11 @@ Parameters (meshmoe.analysis.cost_model.active_params): 46,702,792,704 total and
 in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.train_step_flops at
 seq_len 4096): 79.7 GFLOP per token.
 
-Compiled for 64 H100s (experiments/benchmarks/RESULTS.md, 2026-11-24), the step fits only with the
-fused kernels, hence parallel.impl "pallas": peak 67.6 GB per device, 1.07x the useful FLOPs. With the
-reference tier XLA multiplies each device's dropless worst-case receive buffer by its expert densely
-(8.7x the useful FLOPs) and the peak is 114.5 GB. (On CPUs "pallas" runs the xla tier, with a warning.)
+Compiled for 64 H100s (experiments/benchmarks/RESULTS.md, 2026-11-24 and 2026-11-25): with the fused
+kernels (parallel.impl "pallas", the default here; on CPUs it runs the xla tier, with a warning) the
+step peaks at 67.6 GB per device at 16 micro-batches; with the xla tier (tokamax's grouped GEMM, chunked
+ragged all-to-alls) at 74.3 GB with the 32 micro-batches set here (97.3 GB at 16: the worst-case receive
+buffers of the dropless exchange scale with the micro-batch).
 
 Choices:
 - mesh: preset "megascale" with expert=8 (one expert per rank, as there are 8), tensor=4, data=-1 (2 at
@@ -34,9 +35,9 @@ Choices:
   ragged_dot, which the "dots" policy (dot_general without batch dimensions) does not keep, so they
   are recomputed either way, and they are ~85% of the layer's matmul FLOPs.
 - train: 4096-token sequences, 1024 per step (4.2M tokens, the Llama-2 recipe; Mistral did not publish
-  Mixtral's) in 16 micro-batches of 64 sequences: at 64 devices 32 per data rank, each device holding
-  512 tokens of each (16K tokens per device per micro-batch). steps only sets the schedule length
-  (~1T tokens).
+  Mixtral's) in 32 micro-batches of 32 sequences: at 64 devices 16 per data rank, each device holding
+  512 tokens of each (8K tokens per device per micro-batch, enough rows per expert for full GEMM tiles).
+  steps only sets the schedule length (~1T tokens).
 - optimizer: AdamW, peak lr 3e-4, 2000 warmup steps, cosine to 10%, betas (0.9, 0.95), weight decay 0.1,
   clip 1.0 (Llama-2 style; no published Mixtral recipe).
 - router losses: aux_loss_weight 0.04 is the Hugging Face router_aux_loss_coef 0.02 times top_k: HF's
@@ -62,7 +63,7 @@ def get_config() -> Config:
       parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=16,
+      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=32,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
-from meshmoe.sharding import moe_pipeline
+from meshmoe.sharding import expert_parallel, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan, projection_blocks
 
 
@@ -207,20 +207,22 @@ def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep:
 def _exchanges(lay: _Layout, add, c: int, tokens: float, k: int, ep: int, choice) -> None:
   """The token exchanges of the `all_to_all` implementation (expert_parallel.py)."""
   moe = lay.config.model.moe
-  sent = tokens * k * lay.config.model.embed_dim * c  # [A, D]: this device's assignments
-  buffer = ep * sent  # [ep, A, D]: the receive buffer, dropless worst case
+  d = lay.config.model.embed_dim
+  sent = tokens * k * d * c  # [A, D]: this device's assignments
+  # [ep, S, D]: the receive buffer, dropless worst case (expert_parallel.peer_slot)
+  buffer = ep * expert_parallel.peer_slot(tokens, k, moe.num_experts // ep) * d * c
   # Group sizes first, once per chunk of the pipeline (moe_pipeline.py); the chunks' token buffers add up
   # to the unchunked ones.
   for _ in range(moe_pipeline.num_chunks(int(tokens), choice.chunks)):
     add("moe", "all-to-all", ep, moe.num_experts * 4, True)
-  if choice.exchange == "padded_all_to_all":  # whole [ep, A, D] buffers, each transposed in the backward
+  if choice.exchange == "padded_all_to_all":  # whole [ep, S, D] buffers, each transposed in the backward
     for _ in range(2):  # dispatch and return
       add("moe", "all-to-all", ep, buffer, True)
       add("moe", "all-to-all", ep, buffer, False)
   else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound)
-    add("moe", "ragged-all-to-all", ep, buffer, True)  # dispatch: [A] rows in, [ep*A] out
-    add("moe", "ragged-all-to-all", ep, buffer, True)  # return: into an [ep, A] buffer
-    add("moe", "ragged-all-to-all", ep, buffer, False)  # the return's transpose: [ep*A] out
+    add("moe", "ragged-all-to-all", ep, buffer, True)  # dispatch: [A] rows in, [ep*S] out
+    add("moe", "ragged-all-to-all", ep, buffer, True)  # return: into an [ep, S] buffer
+    add("moe", "ragged-all-to-all", ep, buffer, False)  # the return's transpose: [ep*S] out
     add("moe", "ragged-all-to-all", ep, sent, False)  # the dispatch's transpose: back to [A] rows
 
 

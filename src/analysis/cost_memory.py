@@ -9,7 +9,7 @@
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
   Per layer, the intermediates are counted in units of this device's residual block [B, S, D]
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
-  (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers (the [ep*A, D] receive buffer, its tiled copy, the [rows, F] gate, up and
+  (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers (the [ep*S, D] receive buffer, its tiled copy, the [rows, F] gate, up and
   hidden units: silu(gate) is recomputed, see models/layers.py swiglu_hidden), which dominate at small
   sizes. Which buffers exist is the parallel plan's choice of implementation (meshmoe.sharding.plan).
 The compiled step also holds the batch, temporary buffers XLA schedules between ops and the output layer's
@@ -30,7 +30,7 @@ from meshmoe.analysis import cost_collectives, cost_kernels
 from meshmoe.config import Config
 from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
-from meshmoe.sharding import blocked_gemm, moe_pipeline, parallel
+from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import logical_axes_of
 
@@ -162,7 +162,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   gathered = tokens * plan.axis_size(experts.gather)
   buffers = 2 * (gathered - tokens) * d * c  # the gathered tokens and their gradient
   assignments = gathered * moe.top_k
-  rows = ep * assignments  # the receive buffer
+  rows = ep * expert_parallel.peer_slot(gathered, moe.top_k, local_experts)  # the receive buffer
   buffers += assignments * d * c * 2 + (2 * 2 * rows * d * c if ep > 1 else 0)  # copied, sent/returned
   if choice.implementation == "fused":
     # The tile plan's buffers: send and returned rows, received rows with their gate, up and hidden units;
@@ -182,7 +182,8 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   if choice.grouped_gemm == "blocked":
     # The blocks and overflow tiles (sharding/blocked_gemm.py) read the rows in place and keep gate and up
     # of every chunk's rows, by sorted position, plus one tile of slack; the output rows are [R, D].
-    kept_rows = sum(ep * tokens * moe.top_k + (choice.block_rows or blocked_gemm.DEFAULT_TILE_ROWS)
+    kept_rows = sum(ep * expert_parallel.peer_slot(tokens, moe.top_k, local_experts)
+                    + (choice.block_rows or blocked_gemm.DEFAULT_TILE_ROWS)
                     for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks))
     hidden = rows * d * c + 2 * kept_rows * width * c
     router = gathered * moe.num_experts * 4 * 3

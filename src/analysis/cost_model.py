@@ -22,7 +22,7 @@ import dataclasses
 
 from meshmoe.analysis import cost_collectives, cost_kernels, cost_memory
 from meshmoe.config import Config, ModelConfig
-from meshmoe.sharding import blocked_gemm, moe_pipeline, parallel
+from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
 from meshmoe.sharding.plan import ParallelPlan, projection_blocks
 
 
@@ -142,8 +142,10 @@ def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) 
   token_split = plan.axis_size(parallel.all_axes(plan.activation_spec(("act_batch", "act_seq"))))
   # Tokens this device routes: its share, gathered over the expert-width axes that also split tokens.
   assignments = micro * t.seq_len // token_split * plan.axis_size(lay.gather) * moe.top_k
-  rows = lay.ep * assignments  # the receive buffer: dropless worst case
   local_experts = moe.num_experts // lay.ep
+  # The receive buffer of a chunk of `tokens` tokens, dropless worst case (expert_parallel.peer_slot).
+  buffer_rows = lambda tokens: lay.ep * expert_parallel.peer_slot(tokens, moe.top_k, local_experts)
+  rows = buffer_rows(assignments // moe.top_k)
   if cost_kernels.in_custom_calls(choice) and worst_case:
     _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
   elif cost_kernels.in_custom_calls(choice):
@@ -151,11 +153,12 @@ def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) 
   elif choice.implementation == "fused":  # the kernels' plain-XLA versions multiply every buffer tile
     _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
   elif cost_kernels.gemm_in_kernels(choice):  # tokamax: per chunk, each expert's rows in whole tiles
-    chunk_rows = [tokens * moe.top_k for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks)]
-    computed_rows = sum(cost_kernels.tokamax_worst_rows(lay.ep * rows, local_experts) if worst_case
-                        else cost_kernels.tokamax_rows(rows / local_experts, local_experts) for rows in chunk_rows)
+    chunks = moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks)
+    computed_rows = sum(cost_kernels.tokamax_worst_rows(buffer_rows(tokens), local_experts) if worst_case
+                        else cost_kernels.tokamax_rows(tokens * moe.top_k / local_experts, local_experts)
+                        for tokens in chunks)
   elif choice.grouped_gemm == "blocked":  # each chunk's capacity blocks (and overflow tiles: worst case)
-    computed_rows = sum(blocked_gemm.computed_rows(tokens * moe.top_k, lay.ep * tokens * moe.top_k, local_experts,
+    computed_rows = sum(blocked_gemm.computed_rows(tokens * moe.top_k, buffer_rows(tokens), local_experts,
                                                    choice.block_rows, worst_case)
                         for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks))
   else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert (tokamax's
