@@ -28,16 +28,18 @@ Choices:
   expert whole (tensor=4 would leave 192-wide expert GEMMs) and makes attention sequence parallel over
   the same 32 devices (MegaScale-MoE's layout), which is cheap here: only 4 key-value heads are
   gathered. The 4 key-value heads cap tensor at 4.
-- remat "dots": per device activations are small (d_model 2048; 32 sequences x 128 tokens = 4K
+- remat "dots": per device activations are small (d_model 2048; 16 sequences x 128 tokens = 2K
   tokens per device per micro-batch at 64 devices), so keeping the q/k/v/output projections and router
   logits (~7.4K values per token per layer beside the 2K input, ~3 GB in all here) is affordable and
   skips their recompute, 26% of a layer's matmul FLOPs at 4096 tokens. The expert GEMMs (ragged_dot) are not
   dot_general, so "dots" recomputes them like "full" does. Use remat="full" where memory is short.
 - train: 4096-token sequences (Qwen3's pre-training stages 1-2), 1024 per step (4.2M tokens; the
-  report does not give the batch) in 16 micro-batches (memory, below). steps only sets the schedule
+  report does not give the batch) in 32 micro-batches (memory, below). steps only sets the schedule
   length (~1T tokens of the published 36T).
-- parallel.impl "pallas", 16 micro-batches: compiled for 64 H100s (experiments/benchmarks/RESULTS.md,
-  2026-11-24) this is the first layout that fits: peak 75.4 GB per device (89%). With the reference tier
+- parallel.impl "pallas" (the default here), compiled for 64 H100s (experiments/benchmarks/RESULTS.md,
+  2026-11-24): 16 micro-batches are the first that fit, peak 75.4 GB per device (89%). The xla tier
+  (tokamax's grouped GEMM, chunked ragged all-to-alls) fits at the 32 set here: 76.4 GB (2026-11-25;
+  89.3 GB before its exchange slots were halved, expert_parallel.peer_slot). With the reference tier
   XLA multiplies each device's dropless worst-case receive buffer by all 4 local experts densely (101x
   the useful FLOPs, 385 GB); the fused kernels at 8 micro-batches peak at 97.7 GB (remat "dots") or
   94.8 GB (remat "full"). (On CPUs "pallas" runs the xla tier, with a warning.)
@@ -68,7 +70,7 @@ def get_config() -> Config:
       parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=16,
+      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=32,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )
