@@ -118,3 +118,38 @@ def test_dispatch_is_all_to_all_not_a_gather_of_the_tokens(sizes, preset):
   hlo = jax.jit(fn).lower(*place(x, experts, weights, w)).compile().as_text()
   assert "all-to-all" in hlo
   assert "all-gather" not in hlo, "the expert-parallel dispatch must not gather tokens"
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name, axis_index_groups=None):
+  """jax.lax.ragged_all_to_all's definition, built from all_gathers and scatters (XLA:CPU has no ragged
+  all-to-all): sender p's rows operand_p[input_offsets_p[me] :][: send_sizes_p[me]] land at
+  output[output_offsets_p[me] :]."""
+  del recv_sizes, axis_index_groups  # implied by the senders' sizes
+  me = jax.lax.axis_index(axis_name)
+  operands = jax.lax.all_gather(operand, axis_name)
+  read_at, sizes, write_at = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+  rows = jnp.arange(operand.shape[0])
+  for peer in range(operands.shape[0]):
+    source = jnp.minimum(read_at[peer, me] + rows, operand.shape[0] - 1)
+    target = jnp.where(rows < sizes[peer, me], write_at[peer, me] + rows, output.shape[0])  # past the end: dropped
+    output = output.at[target].set(operands[peer][source], mode="drop")
+  return output
+
+
+_RAGGED_LAYOUTS = [((1, 8, 1, 1), "ep"), ((2, 4, 1, 1), "ep"), ((2, 2, 2, 1), "tp_sp"), ((2, 2, 1, 2), "megascale")]
+
+
+@pytest.mark.parametrize("load", ["uneven", "dropped"])
+@pytest.mark.parametrize("sizes,preset", _RAGGED_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in _RAGGED_LAYOUTS])
+def test_ragged_exchange_matches_one_device(sizes, preset, load, monkeypatch):
+  """The GPU's exchange (ragged_all_to_all, with the custom VJP that sends cotangents back where their rows
+  came from) on CPU through an emulation of the collective: output and gradients equal the one-device op."""
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+  monkeypatch.setitem(expert_parallel._EXCHANGES, "padded_all_to_all", expert_parallel._EXCHANGES["ragged_all_to_all"])
+  x, experts, weights, w = _inputs(load)
+  cotangent = jax.random.normal(jax.random.key(9), x.shape)
+  fn, place, _ = _sharded(sizes, preset)
+  assert_matches(output_and_grads(fn, *place(x, experts, weights, w), cotangent),
+                 output_and_grads(local_moe, x, experts, weights, w, cotangent))

@@ -224,3 +224,52 @@ def test_h100_expert_gradients_are_summed_in_the_compute_dtype_once():
   reference = all_reduce_bytes(None)
   assert reference > 0
   assert all_reduce_bytes(_xla(2, grouped_gemm="auto")) == pytest.approx(reference)
+
+
+def _loop_carried(computation: hlo_module.Computation, name: str) -> bool:
+  """Whether value `name` of `computation`, followed back through copies and bitcasts, is one of the values
+  its loop carries (an element of the computation's parameter)."""
+  by_name = computation.by_name()
+  instruction = by_name.get(name)
+  while instruction is not None and instruction.opcode in ("copy", "bitcast"):
+    instruction = by_name.get(instruction.operands[0])
+  if instruction is None or instruction.opcode != "get-tuple-element":
+    return False
+  source = by_name.get(instruction.operands[0])
+  return source is not None and source.opcode == "parameter"
+
+
+@pytest.mark.parametrize("parallel", [None, _xla(2, grouped_gemm="auto")], ids=["reference", "xla"])
+def test_h100_exchange_buffers_are_made_in_each_layer(parallel):
+  """Three scanned, rematerialised layers' backward, compiled deviceless for 8 H100s. A ragged_all_to_all
+  writes into an `output` operand; given constant zeros (as jax's own transpose rule does), XLA hoisted
+  them out of the layer loops and carried them through, in the memory it sets apart for collectives, from
+  the first layer's forward to the last one's backward (moe_1b, tp_sp: 2.7 GB). Each exchange's buffer must
+  be made inside its loop iteration."""
+  layers = 3
+  mesh = gpu_mesh((1, 8, 1, 1), AXES)
+  plan = ParallelPlan.for_mesh(mesh, "ep", parallel)
+  x, experts, weights, _ = _inputs("dropped")
+  tokens = plan.activation_sharding(("act_batch", "act_seq", None))
+  abstract = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  param = lambda names: NamedSharding(mesh, plan.param_spec((None, *names)))
+  stacked = [jax.ShapeDtypeStruct((layers, *shape), jnp.float32, sharding=param(names)) for shape, names in
+             [((E, D, 16), ("exp", "embed", "exp_mlp")), ((E, D, 16), ("exp", "embed", "exp_mlp")),
+              ((E, 16, D), ("exp", "exp_mlp", "embed"))]]
+
+  def loss(x, experts, weights, w):
+    def layer(h, w_layer):
+      with use_plan(plan):
+        y = expert_parallel.moe_ffn(h, experts, weights, grouped_ffn.ExpertWeights(*w_layer), swiglu_hidden)
+      return h + y.astype(h.dtype), None
+    h, _ = jax.lax.scan(jax.checkpoint(layer), x, tuple(w))
+    return jnp.sum(h.astype(jnp.float32) ** 2)
+
+  args = (abstract(x.astype(jnp.bfloat16), tokens), abstract(experts, tokens), abstract(weights, tokens), stacked)
+  with deviceless.targeting(mesh):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 3))).lower(*args)
+  module = hlo_module.parse(lowered.compile(compiler_options={**_SCHEDULER, **deviceless.ANALYSIS_OPTIONS}).as_text())
+  exchanges = [(c, i) for c, i in module.instructions() if i.opcode in ("ragged-all-to-all", "ragged-all-to-all-start")]
+  assert len(exchanges) >= 4  # the forward's two, the backward's recomputed two and their transposes
+  carried = [i.name for c, i in exchanges if _loop_carried(c, i.operands[1])]
+  assert not carried, f"exchanges writing into loop-carried buffers: {carried}"
