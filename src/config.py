@@ -129,7 +129,7 @@ class ParallelConfig:
   # capability 8.0 to 10.x, "ragged_dot" (XLA's own; dense over every expert on CPU and GPU) elsewhere.
   grouped_gemm: str = "auto"
   gemm_block_rows: int = 0  # rows per overflow tile of the "blocked" GEMM; 0: its default (16)
-  # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, collectives
+  # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, reductions
   # pipelined across loop iterations, combining), "overlap_double_buffered" (also double-buffered loops: more
   # memory), "overlap_windowed_einsum" or "none" (XLA's defaults).
   xla_flags: str = "overlap"

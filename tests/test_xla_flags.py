@@ -58,8 +58,8 @@ def test_config_choices_are_the_presets():
 
 
 def test_user_flags_win_over_the_preset():
-  merged = xla_flags.merged("overlap", "--xla_gpu_pipeline_all_gather=off --xla_dump_to=/tmp/d")
-  assert "--xla_gpu_pipeline_all_gather=off" in merged and "--xla_gpu_pipeline_all_gather=on" not in merged
+  merged = xla_flags.merged("overlap", "--xla_gpu_pipeline_all_reduce=off --xla_dump_to=/tmp/d")
+  assert "--xla_gpu_pipeline_all_reduce=off" in merged and "--xla_gpu_pipeline_all_reduce=on" not in merged
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in merged and "--xla_dump_to=/tmp/d" in merged
   assert xla_flags.merged("none", " --a=1 ") == "--a=1"
   with pytest.raises(config.ConfigError, match="parallel.xla_flags='fast' is invalid: one of 'none', 'overlap'"):

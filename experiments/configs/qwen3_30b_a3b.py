@@ -38,12 +38,12 @@ Choices:
   length (~1T tokens of the published 36T).
 - parallel.impl "pallas" (the default here), compiled for 64 H100s (experiments/benchmarks/RESULTS.md,
   2026-11-24): 16 micro-batches are the first that fit, peak 75.4 GB per device (89%). The xla tier
-  (tokamax's grouped GEMM, chunked ragged all-to-alls) fits at the 32 set here: 68.2 GB (2026-11-25;
-  89.3 GB before its exchange slots were halved, expert_parallel.peer_slot, and 76.4 GB before its
-  exchange buffers were made in each layer). With the reference tier XLA multiplies each device's
-  dropless worst-case receive buffer by all 4 local experts densely (101x the useful FLOPs, 385 GB);
-  the fused kernels at 8 micro-batches peak at 97.7 GB (remat "dots") or 94.8 GB (remat "full").
-  (On CPUs "pallas" runs the xla tier, with a warning.)
+  (tokamax's grouped GEMM, chunked ragged all-to-alls) fits at the 32 set here: 63.7 GB (2026-11-25;
+  89.3 GB before its exchange slots were halved, expert_parallel.peer_slot, 76.4 GB before its exchange
+  buffers were made in each layer, 68.2 GB with XLA's all-gather pipelining, src/runtime/xla_flags.py).
+  With the reference tier XLA multiplies each device's dropless worst-case receive buffer by all 4 local
+  experts densely (101x the useful FLOPs, 385 GB); the fused kernels at 8 micro-batches peak at 97.7 GB
+  (remat "dots") or 94.8 GB (remat "full"). (On CPUs "pallas" runs the xla tier, with a warning.)
 - optimizer: the report gives no optimizer settings; AdamW, peak lr 3e-4, 2000 warmup steps, cosine to
   10%, betas (0.9, 0.95), weight decay 0.1, clip 1.0.
 - router losses: aux_loss_weight 0.008 is the Hugging Face router_aux_loss_coef 0.001 times top_k: HF's

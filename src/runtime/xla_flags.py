@@ -11,11 +11,17 @@ and ignored, on CPU-only machines.
 Presets:
 - `none`: XLA's defaults.
 - `overlap` (the default): XLA's latency-hiding scheduler orders each asynchronous collective's start as
-  early and its done as late as the data allow, so independent compute runs between them; collectives
-  inside loops (the layer scan, the micro-batch loop) are pipelined across iterations (the FSDP
-  all-gather of layer i+1's weights runs during layer i; gradient reduce-scatters and all-reduces trail
-  by one layer); small collectives are combined up to 128 MiB (many tiny gradient all-reduces cost their
-  latency each); collectives get the highest-priority stream so compute kernels do not starve them.
+  early and its done as late as the data allow, so independent compute runs between them; reductions
+  inside loops (the layer scan, the micro-batch loop) are pipelined across iterations (gradient
+  reduce-scatters and all-reduces trail by one layer); small collectives are combined up to 128 MiB (many
+  tiny gradient all-reduces cost their latency each); collectives get the highest-priority stream so
+  compute kernels do not starve them. All-gathers are not pipelined: across the nested micro-batch and
+  layer loops of gradient accumulation XLA ran the whole forward layer loop twice per micro-batch to do
+  it (compiled for 64 H100s: Mixtral-8x7B 11% more FLOPs, 62.5 instead of 51.8 GB, overlap 0.45 against
+  0.55; Qwen3-30B-A3B 25% more FLOPs, 68.2 instead of 63.7 GB, overlap 0.23 against 0.57), and without a
+  micro-batch loop it gained little (moe_1b on 8 H100s: the same memory on every preset, overlap the same
+  except `fsdp`, 0.749 against 0.734); experiments/benchmarks/RESULTS.md, 2026-11-25. A user's
+  `--xla_gpu_pipeline_all_gather=on` in XLA_FLAGS turns it back on.
 - `overlap_double_buffered`: `overlap` plus double-buffered while loops (XLA unrolls each loop by two so a
   pipelined collective has a buffer to land in). It copies loop-carried buffers: compiled for 8 H100s,
   moe_1b's xla-tier step needs 20.7 instead of 14.1 GB under `ep`, 21.8 instead of 14.3 under `tp_sp`,
@@ -40,7 +46,6 @@ from meshmoe.config import ConfigError
 _OVERLAP = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_enable_highest_priority_async_stream=true",
-    "--xla_gpu_pipeline_all_gather=on",
     "--xla_gpu_pipeline_all_reduce=on",
     "--xla_gpu_pipeline_reduce_scatter=on",
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
