@@ -261,20 +261,23 @@ def _ragged_all_to_all(rows_XD, input_offsets, send_P, recv_P, slot: int, axes, 
 def _exchange_rows(rows_out: int, axes, rows_XD, input_offsets, send_sizes, output_offsets, recv_sizes):
   """`ragged_all_to_all` into fresh zeros [rows_out, D]; its backward is the reverse exchange, also into
   fresh zeros (jax's own transpose rule would use a constant zeros buffer)."""
-  return jax.lax.ragged_all_to_all(rows_XD, _fresh_zeros(rows_XD, rows_out, send_sizes), input_offsets,
-                                   send_sizes, output_offsets, recv_sizes, axis_name=axes)
+  rows_XD, output = _fresh_zeros(rows_XD, rows_out)
+  return jax.lax.ragged_all_to_all(rows_XD, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                   axis_name=axes)
 
 
-def _fresh_zeros(rows_XD, num_rows: int, depends_on: jax.Array) -> jax.Array:
-  """Zeros [num_rows, D] that XLA builds where they are used. A constant zeros buffer is loop-invariant:
-  XLA hoists it out of the layer scan, merges it with the other layers' and the backward's, and keeps them
-  all alive through the step in the memory it reserves for collectives (moe_1b tp_sp on 8 H100s: five
-  receive buffers, 2.7 GB). Passing the zero through an optimization barrier with a value of this layer
-  makes the buffer a value of this layer. zeros_like: the result varies over the rows' mesh axes, as
-  ragged_all_to_all's result must (a device-invariant `output` would type it invariant, and the backward
-  would sum every device's cotangent into each)."""
-  zero, _ = jax.lax.optimization_barrier((jnp.zeros_like(rows_XD, shape=()), depends_on))
-  return jnp.broadcast_to(zero, (num_rows, rows_XD.shape[-1]))
+def _fresh_zeros(rows_XD, num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """(rows_XD, zeros [num_rows, D]) with the zeros built where the rows are ready. A constant zeros buffer
+  is loop-invariant: XLA hoists it out of the layer scan, merges it with the other layers' and the
+  backward's, and keeps them all alive through the step in the memory it reserves for collectives (moe_1b
+  tp_sp on 8 H100s: five receive buffers, 2.7 GB). Passing the zero through an optimization barrier with
+  the rows to send makes the buffer a value of this exchange, made no earlier than its rows (tied to the
+  routing counts instead, every chunk's buffer of the xla tier was made at the start of the layer: 7
+  half-size buffers live at once on tp_sp, against 4 now). zeros_like: the result varies over the rows'
+  mesh axes, as ragged_all_to_all's result must (a device-invariant `output` would type it invariant, and
+  the backward would sum every device's cotangent into each)."""
+  rows_XD, zero = jax.lax.optimization_barrier((rows_XD, jnp.zeros_like(rows_XD, shape=())))
+  return rows_XD, jnp.broadcast_to(zero, (num_rows, rows_XD.shape[-1]))
 
 
 def _exchange_rows_fwd(rows_out, axes, rows_XD, input_offsets, send_sizes, output_offsets, recv_sizes):
