@@ -20,7 +20,7 @@ seq_len 4096): 79.7 GFLOP per token.
 Compiled for 64 H100s (experiments/benchmarks/RESULTS.md, 2026-11-24 and 2026-11-25): with the fused
 kernels (parallel.impl "pallas", the default here; on CPUs it runs the xla tier, with a warning) the
 step peaks at 67.6 GB per device at 16 micro-batches; with the xla tier (tokamax's grouped GEMM, chunked
-ragged all-to-alls) at 51.8 GB with the 32 micro-batches set here (97.3 GB at 16 on an earlier build: the
+ragged all-to-alls) at 51.4 GB with the 32 micro-batches set here (97.3 GB at 16 on an earlier build: the
 worst-case receive buffers of the dropless exchange scale with the micro-batch).
 
 Choices:

@@ -38,7 +38,7 @@ Choices:
   length (~1T tokens of the published 36T).
 - parallel.impl "pallas" (the default here), compiled for 64 H100s (experiments/benchmarks/RESULTS.md,
   2026-11-24): 16 micro-batches are the first that fit, peak 75.4 GB per device (89%). The xla tier
-  (tokamax's grouped GEMM, chunked ragged all-to-alls) fits at the 32 set here: 63.7 GB (2026-11-25;
+  (tokamax's grouped GEMM, chunked ragged all-to-alls) fits at the 32 set here: 62.6 GB (2026-11-25;
   89.3 GB before its exchange slots were halved, expert_parallel.peer_slot, 76.4 GB before its exchange
   buffers were made in each layer, 68.2 GB with XLA's all-gather pipelining, src/runtime/xla_flags.py).
   With the reference tier XLA multiplies each device's dropless worst-case receive buffer by all 4 local
