@@ -9,9 +9,10 @@
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
   Per layer, the intermediates are counted in units of this device's residual block [B, S, D]
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
-  (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers (the [ep*S, D] receive buffer, its tiled copy, the [rows, F] gate, up and
-  hidden units: silu(gate) is recomputed, see models/layers.py swiglu_hidden), which dominate at small
-  sizes. Which buffers exist is the parallel plan's choice of implementation (meshmoe.sharding.plan).
+  (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers
+  (the [ep*S, D] receive buffer, its tiled copy, the [rows, F] gate, up and hidden units: silu(gate) is
+  recomputed, see models/layers.py swiglu_hidden), which dominate at small sizes. Which buffers exist is
+  the parallel plan's choice of implementation (meshmoe.sharding.plan).
 The compiled step also holds the batch, temporary buffers XLA schedules between ops and the output layer's
 logits; the logits are counted (one chunk of them in float32, and the weight-gradient part the chunks sum
 into: `_output_layer`), the rest is not.
@@ -146,8 +147,9 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   same size. Under remat the backward rebuilds one layer's gathered weights and each gradient takes the
   buffer its weight frees once used; without remat the saved weights of all layers live in one stacked
   buffer (the layer scan's) until the backward loop ends, so the gradients need buffers of their own.
-  tokamax: the receive buffer as is, and the backward's [R, 2F] gate/up cotangent. ragged_dot: XLA rewrites it into dense products over every local expert, and [E/ep, rows, F] buffers
-  for gate, up and their gradients are live at the backward's peak."""
+  tokamax: the receive buffer as is, and the backward's [R, 2F] gate/up cotangent. ragged_dot: XLA
+  rewrites it into dense products over every local expert, and [E/ep, rows, F] buffers for gate, up and
+  their gradients are live at the backward's peak."""
   choice = plan.ops.get("moe")
   if choice is None:  # no MoE layer
     return 0.0, 0.0
