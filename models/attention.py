@@ -1,4 +1,8 @@
-"""Causal grouped-query self-attention with rotary embeddings (shape legend in layers.py)."""
+"""Causal grouped-query self-attention with rotary embeddings (shape legend in layers.py).
+
+With `ModelConfig.qk_norm` (Qwen3), each head's query and key are RMS-normalised over head_dim, with one
+learned scale per head_dim entry shared by all heads, before the rotation.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import jax
 from flax import nnx
 
 from meshmoe.config import ModelConfig
-from meshmoe.models.layers import param, rotate
+from meshmoe.models.layers import RMSNorm, param, rotate
 from meshmoe.sharding import context_parallel, tensor_parallel
 
 
@@ -19,6 +23,8 @@ class Attention(nnx.Module):
     self.value_DGH = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), std)
     self.out_NHD = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), std)
     self.rope_theta = cfg.rope_theta
+    self.query_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
+    self.key_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
     """`positions_BS` are the tokens' places in their sequence (they need not be sorted: context-parallel
@@ -28,6 +34,8 @@ class Attention(nnx.Module):
     q_BSNH, k_BSGH, v_BSGH = tensor_parallel.project_in(
         x_BSD, [self.query_DNH[...], self.key_DGH[...], self.value_DGH[...]],
         [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"), ("embed", "kv_heads", "head_dim")])
+    if self.query_norm is not None:
+      q_BSNH, k_BSGH = self.query_norm(q_BSNH), self.key_norm(k_BSGH)
     q_BSNH = rotate(q_BSNH, positions_BS, self.rope_theta)
     k_BSGH = rotate(k_BSGH, positions_BS, self.rope_theta)
     o_BSNH = context_parallel.attention(q_BSNH, k_BSGH, v_BSGH, positions_BS)

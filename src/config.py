@@ -73,6 +73,7 @@ class ModelConfig:
   max_seq_len: int = 256
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
+  qk_norm: bool = False  # RMSNorm over head_dim on every query and key head before the rotation (Qwen3)
   tie_embeddings: bool = True
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype; parameters are always float32

@@ -10,13 +10,12 @@ Model: 48 decoder layers, d_model 2048, grouped-query attention with 32 query / 
 dimension 128 (so the attention width, 4096, is twice d_model), RoPE theta 1e6, native context 32768.
 Every layer is an MoE block of 128 fine-grained SwiGLU experts of width 768, top-8 softmax routing with
 the chosen eight renormalised (norm_topk_prob), no shared experts, no dense layers. Vocabulary 151936,
-untied embeddings, RMSNorm eps 1e-6.
+untied embeddings, RMSNorm eps 1e-6, QK-norm.
 
-Parameters (meshmoe.analysis.cost_model.active_params): 30,532,110,336 total and 3,353,020,416 active per token
-(30.53B / 3.35B); published 30.5B / 3.3B (3.35B rounds to 3.3B or 3.4B; the model card says 3.3B). The
-one architectural gap: Qwen3 applies an RMSNorm to each query and key head (QK-norm), which meshmoe does
-not have; those are 2 x 128 weights per layer, 12,288 in all, so the Hugging Face checkpoint has
-30,532,122,624. Model FLOPs of a training step (cost_model.train_step_flops at seq_len 4096): 23.1 GFLOP
+Parameters (meshmoe.analysis.cost_model.active_params): 30,532,122,624 total and 3,353,032,704 active per token
+(30.53B / 3.35B), as many as the Hugging Face checkpoint has; published 30.5B / 3.3B (3.35B rounds to 3.3B
+or 3.4B; the model card says 3.3B). Qwen3 RMS-normalises each query and key head before the rotation
+(`qk_norm`). Model FLOPs of a training step (cost_model.train_step_flops at seq_len 4096): 23.1 GFLOP
 per token: 47% routed experts, 24% attention projections, 21% attention scores (the attention is
 4096 wide on a 2048-wide model), 8% output logits.
 
@@ -60,7 +59,7 @@ def get_config() -> Config:
       model=ModelConfig(
           vocab_size=151936, embed_dim=2048, num_layers=48, num_dense_layers=0, num_heads=32, num_kv_heads=4,
           head_dim=128, mlp_dim=6144,  # mlp_dim: unused, no dense layers
-          max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=False,
+          max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, tie_embeddings=False,
           init_std=0.02, dtype="bfloat16", remat="dots",
           moe=MoEConfig(
               num_experts=128, top_k=8, expert_mlp_dim=768, num_shared_experts=0, score_fn="softmax",

@@ -68,7 +68,8 @@ def train_step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
 def active_params(cfg: ModelConfig) -> dict[str, int]:
   """Parameter counts: total, and active per token (top-k of the routed experts)."""
   d, moe = cfg.embed_dim, cfg.moe
-  attn = d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * d
+  norms = 2 * d + (2 * cfg.head_dim if cfg.qk_norm else 0)  # the layer's two norms; Qwen3's q and k norms
+  attn = d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + norms
   expert = 3 * d * moe.expert_mlp_dim
   num_moe = cfg.num_layers - cfg.num_dense_layers
   moe_common = d * moe.num_experts + moe.num_shared_experts * expert

@@ -1,0 +1,339 @@
+"""Hugging Face checkpoints in: `config.json` to a ModelConfig, safetensors shards to sharded parameters.
+
+Architectures (`config.json`'s "architectures"): MixtralForCausalLM and Qwen3MoeForCausalLM, computed as
+`transformers` computes them (Qwen3: per-head QK-norm, `norm_topk_prob`; dense layers allowed only as
+the first layers, meshmoe's `num_dense_layers`). Anything else is refused with the reason, never
+approximated.
+
+Loading streams: each parameter is built with `jax.make_array_from_callback`, whose callback is asked
+for exactly the block one device holds under the run's mesh and preset. The block is read from the
+safetensors shard that holds it (`safe_open(...).get_slice`: only the rows and columns asked for, of one
+layer's (and one expert's) tensor at a time), transposed to meshmoe's layout and cast to float32. So
+host memory holds a few tensor blocks at a time, never the model, and each process of a multi-process
+job reads only the blocks of its own devices.
+
+Layouts (torch `nn.Linear` stores [out, in]; meshmoe stores [in..., out...] with the heads apart):
+  q_proj [N*H, D] -> query_DNH [D, N, H];  k_proj, v_proj [G*H, D] -> [D, G, H];  o_proj [D, N*H] ->
+  out_NHD [N, H, D];  router gate [E, D] -> kernel_DE;  expert gate (w1) / up (w3) [F, D] -> [D, F],
+  down (w2) [D, F] -> [F, D], stacked over experts [E, ...] and layers [L, ...];  lm_head [V, D] ->
+  unembed_DV;  embeddings and norms as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from meshmoe.config import ModelConfig, MoEConfig
+
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+
+class CheckpointError(ValueError):
+  """A Hugging Face folder meshmoe cannot load: what is wrong, and what is allowed."""
+
+
+# --- config.json -> ModelConfig ------------------------------------------------------------------------
+
+
+def read_config(folder: str | pathlib.Path) -> dict:
+  path = pathlib.Path(folder) / "config.json"
+  if not path.is_file():
+    raise CheckpointError(f"{folder} has no config.json: a Hugging Face model folder holds config.json and "
+                          "*.safetensors shards")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def architecture(hf: dict) -> str:
+  names = hf.get("architectures") or []
+  known = [a for a in names if a in ARCHITECTURES]
+  if not known:
+    raise CheckpointError(f"config.json names architectures {names}; meshmoe loads {', '.join(ARCHITECTURES)}")
+  return known[0]
+
+
+def model_config(hf: dict, **overrides) -> ModelConfig:
+  """The ModelConfig that computes what `transformers` computes for this config.json; `overrides` set
+  fields that do not change any parameter's shape (dtype, remat, capacity, router loss weights...)."""
+  arch = architecture(hf)
+  _refuse_unsupported(hf, arch)
+  d, heads = hf["hidden_size"], hf["num_attention_heads"]
+  head_dim = hf.get("head_dim") or d // heads
+  layers = hf["num_hidden_layers"]
+  if arch == "MixtralForCausalLM":
+    moe = MoEConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                    expert_mlp_dim=hf["intermediate_size"], normalize_top_k=True)
+    dense_layers, dense_width = 0, hf["intermediate_size"]
+  else:
+    moe = MoEConfig(num_experts=_field(hf, "num_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+                    expert_mlp_dim=hf["moe_intermediate_size"], normalize_top_k=bool(hf.get("norm_topk_prob")))
+    dense_layers, dense_width = len(hf.get("mlp_only_layers") or []), hf["intermediate_size"]
+  moe = dataclasses.replace(moe, score_fn="softmax", routed_scaling=1.0, expert_bias=False)
+  config = ModelConfig(
+      vocab_size=hf["vocab_size"], embed_dim=d, num_layers=layers, num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, mlp_dim=dense_width,
+      num_dense_layers=dense_layers, max_seq_len=hf.get("max_position_embeddings", 4096),
+      rope_theta=float(_rope(hf).get("rope_theta", 10_000.0)), norm_eps=float(hf["rms_norm_eps"]),
+      qk_norm=arch == "Qwen3MoeForCausalLM", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      moe=moe)
+  return _override(config, overrides)
+
+
+_SHAPE_FIELDS = {"vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                 "num_dense_layers", "qk_norm", "tie_embeddings", "rope_theta", "norm_eps"}
+_MOE_SHAPE_FIELDS = {"num_experts", "top_k", "expert_mlp_dim", "num_shared_experts", "score_fn",
+                     "normalize_top_k", "routed_scaling", "expert_bias"}
+
+
+def _override(config: ModelConfig, overrides: dict) -> ModelConfig:
+  moe_overrides = overrides.pop("moe", {}) or {}
+  for name in overrides:
+    if name in _SHAPE_FIELDS or not hasattr(config, name):
+      raise CheckpointError(f"model.{name} comes from config.json and cannot be overridden; allowed: "
+                            f"{', '.join(sorted(set(vars(config)) - _SHAPE_FIELDS - {'moe'}))}")
+  for name in moe_overrides:
+    if name in _MOE_SHAPE_FIELDS or not hasattr(config.moe, name):
+      raise CheckpointError(f"model.moe.{name} comes from config.json and cannot be overridden; allowed: "
+                            f"{', '.join(sorted(set(vars(config.moe)) - _MOE_SHAPE_FIELDS))}")
+  return dataclasses.replace(config, **overrides, moe=dataclasses.replace(config.moe, **moe_overrides))
+
+
+def _field(hf: dict, *names: str):
+  """The first of `names` that config.json sets (transformers renamed some fields across versions)."""
+  for name in names:
+    if hf.get(name) is not None:
+      return hf[name]
+  raise CheckpointError(f"config.json sets none of {', '.join(names)}")
+
+
+def _rope(hf: dict) -> dict:
+  """RoPE settings: transformers 5 writes `rope_parameters` (rope_theta, rope_type); published folders
+  `rope_theta` and `rope_scaling`."""
+  rope = dict(hf.get("rope_parameters") or {})
+  if hf.get("rope_theta") is not None:
+    rope.setdefault("rope_theta", hf["rope_theta"])
+  if hf.get("rope_scaling"):
+    rope.update(hf["rope_scaling"])
+  return rope
+
+
+def _refuse_unsupported(hf: dict, arch: str) -> None:
+  """Features of these architectures that meshmoe does not compute: loading would silently differ."""
+  problems = []
+  if hf.get("hidden_act", "silu") != "silu":
+    problems.append(f"hidden_act={hf['hidden_act']!r} (meshmoe's experts are SwiGLU: 'silu')")
+  rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
+  if rope_type != "default":
+    problems.append(f"rope scaling {rope_type!r} (meshmoe applies plain RoPE)")
+  if hf.get("attention_bias"):
+    problems.append("attention_bias=true (meshmoe's projections have no bias)")
+  if hf.get("sliding_window") and hf.get("use_sliding_window", arch == "MixtralForCausalLM"):
+    if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
+      problems.append(f"sliding_window={hf['sliding_window']} (meshmoe's attention is full causal)")
+  if arch == "Qwen3MoeForCausalLM":
+    layers = hf["num_hidden_layers"]
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+      problems.append(f"mlp_only_layers={dense} (meshmoe's dense layers must be the first ones: [0, 1, ...])")
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1 and any((i + 1) % step for i in range(len(dense), layers)):
+      problems.append(f"decoder_sparse_step={step} (meshmoe runs an MoE block in every layer after the "
+                      "dense ones: decoder_sparse_step=1)")
+  if problems:
+    raise CheckpointError(f"{arch} config.json uses what meshmoe does not compute: " + "; ".join(problems))
+
+
+# --- safetensors -> parameters -------------------------------------------------------------------------
+
+
+class Shards:
+  """The tensors of a folder's safetensors shards, by name, opened lazily (one handle per shard)."""
+
+  def __init__(self, folder: str | pathlib.Path):
+    from safetensors import safe_open  # the loader's dependency only
+
+    self._open = safe_open
+    self.folder = pathlib.Path(folder)
+    index = self.folder / "model.safetensors.index.json"
+    if index.is_file():
+      weight_map = json.loads(index.read_text()).get("weight_map", {})
+    else:
+      weight_map = {}
+      for path in sorted(self.folder.glob("*.safetensors")):
+        with self._safe_open(path) as f:
+          weight_map.update({name: path.name for name in f.keys()})
+    if not weight_map:
+      raise CheckpointError(f"{self.folder} has no *.safetensors shards (nor model.safetensors.index.json)")
+    missing = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
+    if missing:
+      raise CheckpointError(f"model.safetensors.index.json names shards missing from {self.folder}: "
+                            f"{', '.join(missing)}")
+    self.weight_map = weight_map
+    self._handles: dict[str, object] = {}
+
+  def _safe_open(self, path: pathlib.Path):
+    try:
+      return self._open(str(path), framework="numpy")
+    except Exception as e:  # safetensors raises its own error types for a bad header or a truncated file
+      raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+  def tensor(self, name: str):
+    """The lazy slice of tensor `name` (index it with slices to read a block)."""
+    if name not in self.weight_map:
+      raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+    shard = self.weight_map[name]
+    if shard not in self._handles:
+      self._handles[shard] = self._safe_open(self.folder / shard).__enter__()
+    return self._handles[shard].get_slice(name)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.tensor(name).get_shape())
+
+  def close(self) -> None:
+    for handle in self._handles.values():
+      handle.__exit__(None, None, None)
+    self._handles.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where one meshmoe parameter comes from: `name(layer, expert)` for each of its `stacked` leading
+  dimensions ("layer", "expert"); its trailing dimensions are the Hugging Face tensor's, transposed
+  (`in_dims` then `out_dims`, the [out, in] matrix's two sides each split into these sizes) or as they are."""
+
+  name: Callable[..., str]
+  stacked: tuple[str, ...] = ()
+  in_dims: tuple[int, ...] = ()  # empty: not transposed
+  out_dims: tuple[int, ...] = ()
+  layer_offset: int = 0  # the Hugging Face index of this stack's first layer
+
+
+def sources(hf: dict, config: ModelConfig) -> dict[str, Source]:
+  """meshmoe parameter path (as `jax.tree_util.keystr` writes it) -> its Source."""
+  arch = architecture(hf)
+  d, n, g, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+  e_, f = config.moe.num_experts, config.moe.expert_mlp_dim
+  layer = lambda suffix: (lambda l, *_: f"model.layers.{l}.{suffix}")
+  out = {"['embed']['table_VD']": Source(lambda *_: "model.embed_tokens.weight"),
+         "['final_norm']['scale']": Source(lambda *_: "model.norm.weight")}
+  if not config.tie_embeddings:
+    out["['unembed_DV']"] = Source(lambda *_: "lm_head.weight", in_dims=(d,), out_dims=(config.vocab_size,))
+  stacks = [("dense_layers", 0, config.num_dense_layers), ("moe_layers", config.num_dense_layers,
+                                                            config.num_layers - config.num_dense_layers)]
+  for stack, first, count in stacks:
+    if not count:
+      continue
+    put = lambda path, source: out.__setitem__(f"['{stack}']['layer']{path}", dataclasses.replace(
+        source, stacked=("layer", *source.stacked), layer_offset=first))
+    put("['attn_norm']['scale']", Source(layer("input_layernorm.weight")))
+    put("['ffn_norm']['scale']", Source(layer("post_attention_layernorm.weight")))
+    put("['attn']['query_DNH']", Source(layer("self_attn.q_proj.weight"), in_dims=(d,), out_dims=(n, h)))
+    put("['attn']['key_DGH']", Source(layer("self_attn.k_proj.weight"), in_dims=(d,), out_dims=(g, h)))
+    put("['attn']['value_DGH']", Source(layer("self_attn.v_proj.weight"), in_dims=(d,), out_dims=(g, h)))
+    put("['attn']['out_NHD']", Source(layer("self_attn.o_proj.weight"), in_dims=(n, h), out_dims=(d,)))
+    if config.qk_norm:
+      put("['attn']['query_norm']['scale']", Source(layer("self_attn.q_norm.weight")))
+      put("['attn']['key_norm']['scale']", Source(layer("self_attn.k_norm.weight")))
+    if stack == "dense_layers":
+      w = config.mlp_dim
+      put("['ffn']['gate_DF']", Source(layer("mlp.gate_proj.weight"), in_dims=(d,), out_dims=(w,)))
+      put("['ffn']['up_DF']", Source(layer("mlp.up_proj.weight"), in_dims=(d,), out_dims=(w,)))
+      put("['ffn']['down_FD']", Source(layer("mlp.down_proj.weight"), in_dims=(w,), out_dims=(d,)))
+      continue
+    if arch == "MixtralForCausalLM":
+      router, gate, up, down = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
+    else:
+      router, gate, up, down = ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                                "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+    expert = lambda suffix: (lambda l, e: f"model.layers.{l}.{suffix.format(e=e)}")
+    put("['ffn']['router']['kernel_DE']", Source(layer(router), in_dims=(d,), out_dims=(e_,)))
+    put("['ffn']['gate_EDF']", Source(expert(gate), ("expert",), in_dims=(d,), out_dims=(f,)))
+    put("['ffn']['up_EDF']", Source(expert(up), ("expert",), in_dims=(d,), out_dims=(f,)))
+    put("['ffn']['down_EFD']", Source(expert(down), ("expert",), in_dims=(f,), out_dims=(d,)))
+  return out
+
+
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+  start, stop, step = index.indices(size)
+  if step != 1:
+    raise ValueError(f"strided block {index}")
+  return start, stop
+
+
+def _read_block(shards: Shards, name: str, source: Source, trailing: tuple[int, ...],
+                index: Sequence[slice]) -> np.ndarray:
+  """Block `index` of the trailing dimensions `trailing` of one Hugging Face tensor, in meshmoe's layout."""
+  tensor = shards.tensor(name)
+  expected = ((math.prod(source.out_dims), math.prod(source.in_dims)) if source.in_dims else trailing)
+  if tuple(tensor.get_shape()) != tuple(expected):
+    raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}; config.json implies "
+                          f"{tuple(expected)}")
+  if not source.in_dims:
+    return np.asarray(tensor[tuple(slice(*_bounds(i, s)) for i, s in zip(index, trailing))])
+  sides = []  # per side of the matrix: (rows to read of it, then the block inside them)
+  for dims, side_index in ((source.in_dims, index[:len(source.in_dims)]),
+                           (source.out_dims, index[len(source.in_dims):])):
+    outer_lo, outer_hi = _bounds(side_index[0], dims[0])
+    inner = math.prod(dims[1:])
+    inner_index = tuple(slice(*_bounds(i, s)) for i, s in zip(side_index[1:], dims[1:]))
+    sides.append((slice(outer_lo * inner, outer_hi * inner), (outer_hi - outer_lo, *dims[1:]), inner_index))
+  (in_rows, in_shape, in_inner), (out_rows, out_shape, out_inner) = sides
+  block = np.asarray(tensor[out_rows, in_rows]).T  # [in, out]
+  block = block.reshape(*in_shape, *out_shape)
+  return block[(slice(None), *in_inner, slice(None), *out_inner)]
+
+
+def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig, hf: dict | None = None):
+  """The parameters of the checkpoint at `folder`, placed like `abstract_params` (a tree of nnx Variables
+  holding jax.ShapeDtypeStruct with shardings, e.g. training.model_state.abstract_model_state's), each
+  device's block read on its own (module docstring)."""
+  hf = read_config(folder) if hf is None else hf
+  table = sources(hf, config)
+  shards = Shards(folder)
+  expected = set(table)
+  seen: set[str] = set()
+
+  def load(path, variable):
+    key = jax.tree_util.keystr(path)
+    if key not in table:
+      raise CheckpointError(f"meshmoe parameter {key} has no Hugging Face tensor (internal: no mapping)")
+    seen.add(key)
+    source = table[key]
+    spec = variable.get_value()
+    shape, dtype = tuple(spec.shape), spec.dtype
+    lead = len(source.stacked)
+    trailing = shape[lead:]
+
+    def block(index):
+      index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+      ranges = [range(*_bounds(i, s)) for i, s in zip(index[:lead], shape[:lead])]
+      if not ranges:
+        return _read_block(shards, source.name(), source, trailing, index).astype(dtype)
+      blocks = []
+      for combo in np.ndindex(*(len(r) for r in ranges)):
+        at = {kind: r[c] for kind, r, c in zip(source.stacked, ranges, combo)}
+        name = source.name(at["layer"] + source.layer_offset, at.get("expert"))
+        blocks.append(_read_block(shards, name, source, trailing, index[lead:]).astype(dtype))
+      return np.stack(blocks).reshape(*(len(r) for r in ranges), *blocks[0].shape)
+
+    array = jax.make_array_from_callback(shape, spec.sharding, block)
+    return variable.replace(array)
+
+  try:
+    params = jax.tree_util.tree_map_with_path(load, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  finally:
+    shards.close()
+  if expected - seen:
+    raise CheckpointError(f"the model has no parameters for {sorted(expected - seen)} (internal: mapping)")
+  return params

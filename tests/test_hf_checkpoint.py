@@ -1,0 +1,188 @@
+"""Hugging Face checkpoints load into meshmoe and compute what `transformers` computes.
+
+The fixtures (tests/golden/hf/<case>/) were made by experiments/hf_parity/make_fixtures.py with
+`transformers` 5.24 and CPU torch: tiny random Mixtral (top-2, top-1) and Qwen3-MoE (with and without
+top-k renormalisation, with a dense first layer) folders, the input tokens, `transformers`' float32 logits
+and every MoE layer's chosen experts per token. The model loaded by models/hf_checkpoint.py must give the
+same logits (to 1e-4 of their scale) on one device and on four mesh layouts, and choose the same experts
+for every token.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshmoe.config import Config, MeshConfig, TrainConfig
+from meshmoe.models import hf_checkpoint
+from meshmoe.sharding import expert_parallel
+from meshmoe.sharding.shardings import use_plan
+from meshmoe.training import model_state
+from tests.model_steps import plan_for
+
+FIXTURES = pathlib.Path(__file__).parent / "golden" / "hf"
+CASES = sorted(p.name for p in FIXTURES.iterdir())
+RTOL = 1e-4  # of the logits' scale (their largest magnitude)
+# (data, expert, tensor, sequence), preset: expert-, tensor- and sequence-parallel layouts.
+LAYOUTS = [((1, 1, 1, 1), "dp"), ((2, 4, 1, 1), "ep"), ((2, 2, 2, 1), "tp_sp"), ((2, 2, 1, 2), "megascale")]
+
+
+def _load(case: str, layout=((1, 1, 1, 1), "dp")):
+  folder = FIXTURES / case
+  hf = hf_checkpoint.read_config(folder)
+  (data, expert, tensor, sequence), preset = layout
+  expected = np.load(folder / "expected.npz")
+  batch, seq = expected["tokens"].shape
+  config = Config(model=hf_checkpoint.model_config(hf),
+                  mesh=MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset),
+                  train=TrainConfig(global_batch_size=batch, seq_len=seq))
+  devices = jax.devices()[:data * expert * tensor * sequence]
+  config.validate(len(devices))
+  plan = plan_for(config, devices)
+  graphdef, params, others = model_state.abstract_model_state(config, plan)
+  params = hf_checkpoint.load_params(folder, params, config.model, hf)
+  others = jax.tree.map(lambda v: v.replace(jnp.zeros(v.shape, v.dtype)), others,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, params, others), config, plan, expected
+
+
+def _logits(model, plan, tokens) -> np.ndarray:
+  tokens = jax.device_put(jnp.asarray(tokens), plan.batch_sharding())
+  with use_plan(plan):
+    permuted, _, _, positions = model_state.in_sequence_order(plan, tokens, tokens, jnp.ones(tokens.shape))
+    logits, _ = nnx.jit(lambda m, t, p: m(t, p))(model, permuted, positions)
+  logits = np.asarray(logits)
+  if positions is not None:  # back into sequence order
+    logits = logits[:, np.argsort(np.asarray(positions[0]))]
+  return logits
+
+
+def _assert_logits_match(logits, expected):
+  scale = np.abs(expected).max()
+  error = np.abs(logits - expected).max() / scale
+  assert error <= RTOL, f"max |logits - transformers'| / scale = {error:.2e} > {RTOL}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_experts_match_transformers_on_one_device(case, monkeypatch):
+  model, config, plan, expected = _load(case)
+  chosen = []
+  original = expert_parallel.moe_ffn
+
+  def recording(x, experts_BSK, *args):  # every MoE layer's choice, in layer order (the scan runs them so)
+    jax.debug.callback(lambda e: chosen.append(np.asarray(e)), experts_BSK, ordered=True)
+    return original(x, experts_BSK, *args)
+
+  monkeypatch.setattr(expert_parallel, "moe_ffn", recording)
+  logits = _logits(model, plan, expected["tokens"])
+  _assert_logits_match(logits, expected["logits"])
+  experts = np.stack([c.reshape(-1, c.shape[-1]) for c in chosen])
+  np.testing.assert_array_equal(experts, expected["experts"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda l: f"{l[1]}-{'x'.join(map(str, l[0]))}")
+@pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first"])
+def test_logits_match_transformers_on_mesh_layouts(case, layout):
+  model, config, plan, expected = _load(case, layout)
+  _assert_logits_match(_logits(model, plan, expected["tokens"]), expected["logits"])
+
+
+def test_config_maps_each_family(tmp_path):
+  mixtral = hf_checkpoint.model_config(hf_checkpoint.read_config(FIXTURES / "mixtral_top1"))
+  assert (mixtral.moe.top_k, mixtral.moe.normalize_top_k, mixtral.qk_norm) == (1, True, False)
+  qwen = hf_checkpoint.model_config(hf_checkpoint.read_config(FIXTURES / "qwen3_moe_no_norm_topk"))
+  assert (qwen.moe.num_experts, qwen.moe.normalize_top_k, qwen.qk_norm, qwen.num_dense_layers) == (8, False, True, 0)
+  dense_first = hf_checkpoint.model_config(hf_checkpoint.read_config(FIXTURES / "qwen3_moe_dense_first"))
+  assert (dense_first.num_dense_layers, dense_first.mlp_dim) == (1, 80)
+  # Published folders (transformers 4 names): num_experts, rope_theta.
+  published = hf_checkpoint.read_config(FIXTURES / "qwen3_moe_no_norm_topk")
+  published["num_experts"] = published.pop("num_local_experts")
+  published.pop("rope_parameters")
+  published["rope_theta"] = 1e6
+  config = hf_checkpoint.model_config(published)
+  assert (config.moe.num_experts, config.rope_theta) == (8, 1e6)
+
+
+def _copy(tmp_path, case="mixtral_top2") -> pathlib.Path:
+  folder = tmp_path / case
+  shutil.copytree(FIXTURES / case, folder)
+  return folder
+
+
+def _edit_config(folder: pathlib.Path, **changes) -> dict:
+  hf = json.loads((folder / "config.json").read_text())
+  hf.update(changes)
+  (folder / "config.json").write_text(json.dumps(hf))
+  return hf
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(architectures=["LlamaForCausalLM"]), "meshmoe loads MixtralForCausalLM, Qwen3MoeForCausalLM"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'linear'"),
+    (dict(sliding_window=8), "sliding_window=8"),
+])
+def test_unsupported_configs_are_refused_by_name(tmp_path, changes, message):
+  hf = _edit_config(_copy(tmp_path), **changes)
+  with pytest.raises(hf_checkpoint.CheckpointError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    hf_checkpoint.model_config(hf)
+
+
+def test_qwen3_dense_layers_must_come_first(tmp_path):
+  hf = _edit_config(_copy(tmp_path, "qwen3_moe_norm_topk"), mlp_only_layers=[1])
+  with pytest.raises(hf_checkpoint.CheckpointError, match=r"mlp_only_layers=\[1\]"):
+    hf_checkpoint.model_config(hf)
+
+
+def test_shape_fields_cannot_be_overridden():
+  hf = hf_checkpoint.read_config(FIXTURES / "mixtral_top2")
+  assert hf_checkpoint.model_config(hf, remat="full").remat == "full"
+  with pytest.raises(hf_checkpoint.CheckpointError, match="model.embed_dim comes from config.json"):
+    hf_checkpoint.model_config(hf, embed_dim=128)
+  with pytest.raises(hf_checkpoint.CheckpointError, match="model.moe.top_k comes from config.json"):
+    hf_checkpoint.model_config(hf, moe={"top_k": 1})
+
+
+def _load_into_fresh_model(folder: pathlib.Path):
+  hf = hf_checkpoint.read_config(folder)
+  config = Config(model=hf_checkpoint.model_config(hf), mesh=MeshConfig(data=1, preset="dp"),
+                  train=TrainConfig(global_batch_size=8, seq_len=16))
+  plan = plan_for(config, jax.devices()[:1])
+  _, params, _ = model_state.abstract_model_state(config, plan)
+  return jax.block_until_ready(hf_checkpoint.load_params(folder, params, config.model, hf))
+
+
+def test_missing_tensor_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  folder = _copy(tmp_path)
+  tensors = load_file(folder / "model.safetensors")
+  del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+  save_file(tensors, folder / "model.safetensors")
+  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.layers.1.block_sparse_moe.experts.3.w2.weight' is not"):
+    _load_into_fresh_model(folder)
+
+
+def test_wrong_shape_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  folder = _copy(tmp_path)
+  tensors = load_file(folder / "model.safetensors")
+  tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:32]
+  save_file(tensors, folder / "model.safetensors")
+  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.layers.0.self_attn.q_proj.weight' has shape \(32, 64\)"):
+    _load_into_fresh_model(folder)
+
+
+def test_truncated_shard_and_missing_folder_are_named(tmp_path):
+  folder = _copy(tmp_path)
+  data = (folder / "model.safetensors").read_bytes()
+  (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+  with pytest.raises(hf_checkpoint.CheckpointError, match="model.safetensors is not a readable safetensors file"):
+    _load_into_fresh_model(folder)
+  with pytest.raises(hf_checkpoint.CheckpointError, match="has no config.json"):
+    hf_checkpoint.read_config(tmp_path / "nowhere")
