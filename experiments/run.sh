@@ -5,6 +5,8 @@
 #   bash experiments/run.sh train [flags]   train the default experiment (tiny_moe); flags go to experiments.train
 #   bash experiments/run.sh test  [pytest args]   run the full test suite on 8 simulated CPU devices
 #   bash experiments/run.sh bench [flags]   step time and compiled/model FLOP ratio of the default config
+#   bash experiments/run.sh convert --to={orbax|hf} --hf=FOLDER --workdir=DIR
+#                                           Hugging Face checkpoints in and out (experiments/convert.py)
 #   bash experiments/run.sh launch --processes=P --devices_per_process=D -- [train flags]
 #                                           a P-process job on this machine (experiments/launch.py)
 #   bash experiments/run.sh setup           only create or update the virtual environment
@@ -100,9 +102,10 @@ case "$task" in
     workers="${MESHMOE_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
     exec "$venv/bin/python" -m pytest -n "$workers" --dist worksteal --durations=20 "$@" ;;
   bench) ensure_venv; exec "$venv/bin/python" -m experiments.bench "$@" ;;
+  convert) ensure_venv; exec "$venv/bin/python" -m experiments.convert "$@" ;;
   launch) ensure_venv; exec "$venv/bin/python" -m experiments.launch "$@" ;;
   setup) ensure_venv ;;
   *)
-    echo "usage: bash experiments/run.sh {train|test|bench|launch|setup} [args...]" >&2
+    echo "usage: bash experiments/run.sh {train|test|bench|convert|launch|setup} [args...]" >&2
     exit 2 ;;
 esac

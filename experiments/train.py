@@ -6,6 +6,7 @@ Examples:
   --config.mesh.expert=4 --config.mesh.preset=megascale     pick a mesh layout (-1 fills the devices)
   --config.train.steps=1000 --config.checkpoint.every_steps=200
   --config.data.source=jsonl --config.data.paths='data/*.jsonl' --config.data.tokenizer=tokenizer.json
+  --config.train.init_from=hf:/path/to/Qwen3-30B-A3B      start from a Hugging Face checkpoint (fine-tuning)
 
 Writes to the workdir (default runs/<config name>): metrics.jsonl, tensorboard/, checkpoints/, training.png,
 sample.txt, config.json, and logs/process_<i>.log for every process. Re-running on a workdir that holds
@@ -55,6 +56,8 @@ def main(argv):
   config_path = pathlib.Path(flags.FLAGS["config"].config_filename)
   workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / config_path.stem.split(":")[0])
   try:
+    from meshmoe.models import hf_checkpoint
+    config = hf_checkpoint.with_checkpoint_model(config)  # train.init_from's model, before checking it
     config.validate()  # the fields alone; the mesh is checked once the devices are known
     ids = _device_ids(_LOCAL_DEVICE_IDS.value)
     topology = distributed.resolve(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, ids)
@@ -79,6 +82,7 @@ def _train(config, workdir: pathlib.Path, topology, delay: float) -> int:
   """Runs the training on this process; returns the exit status."""
   from meshmoe.config import ConfigError
   from meshmoe.data.documents import DataError
+  from meshmoe.models.hf_checkpoint import CheckpointError as HfCheckpointError
   from meshmoe.runtime import distributed, resilience
   from meshmoe.runtime.nonfinite import NonFiniteError
   from meshmoe.training import trainer
@@ -90,7 +94,7 @@ def _train(config, workdir: pathlib.Path, topology, delay: float) -> int:
     (workdir / PREEMPTED_MARKER).unlink(missing_ok=True)
   try:
     summary = trainer.train(config, workdir, step_delay_s=delay)
-  except (ConfigError, DataError, CheckpointError, NonFiniteError) as e:
+  except (ConfigError, DataError, CheckpointError, HfCheckpointError, NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1
   except resilience.ProcessLostError as e:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshmoe.config import ModelConfig, MoEConfig
+from meshmoe.config import Config, ModelConfig, MoEConfig
 
 ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -89,10 +89,36 @@ def model_config(hf: dict, **overrides) -> ModelConfig:
   return _override(config, overrides)
 
 
+# What config.json decides: every parameter's shape and the function the model computes. Other model.*
+# fields (dtype, remat, logits chunking, capacity, router loss weights) are the run's.
 _SHAPE_FIELDS = {"vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                 "num_dense_layers", "qk_norm", "tie_embeddings", "rope_theta", "norm_eps"}
+                 "num_dense_layers", "qk_norm", "tie_embeddings", "rope_theta", "norm_eps", "max_seq_len"}
 _MOE_SHAPE_FIELDS = {"num_experts", "top_k", "expert_mlp_dim", "num_shared_experts", "score_fn",
                      "normalize_top_k", "routed_scaling", "expert_bias"}
+
+
+def folder_of(init_from: str) -> pathlib.Path:
+  """The folder of a `train.init_from` value 'hf:<folder>'."""
+  if not init_from.startswith("hf:") or not init_from[3:]:
+    raise CheckpointError(f"train.init_from={init_from!r}: expected 'hf:<folder>'")
+  return pathlib.Path(init_from[3:]).expanduser()
+
+
+def with_checkpoint_model(config: Config) -> Config:
+  """`config` with its model as `train.init_from`'s config.json says (the run's own fields kept where they
+  change no shape) and, while data.tokenizer is "byte", the folder's tokenizer.json. Unchanged without
+  init_from."""
+  if not config.train.init_from:
+    return config
+  folder = folder_of(config.train.init_from)
+  own = {name: getattr(config.model, name) for name in vars(config.model) if name not in _SHAPE_FIELDS | {"moe"}}
+  own["moe"] = {name: getattr(config.model.moe, name) for name in vars(config.model.moe)
+                if name not in _MOE_SHAPE_FIELDS}
+  model = model_config(read_config(folder), **own)
+  data = config.data
+  if data.tokenizer == "byte" and (folder / "tokenizer.json").is_file():
+    data = dataclasses.replace(data, tokenizer=str(folder / "tokenizer.json"))
+  return dataclasses.replace(config, model=model, data=data)
 
 
 def _override(config: ModelConfig, overrides: dict) -> ModelConfig:

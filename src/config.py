@@ -180,6 +180,11 @@ class TrainConfig:
   # Peak dense FLOP/s of one device for MFU; 0 looks the device kind up (H100, H200, ...), unknown -> no MFU.
   peak_flops_per_device: float = 0.0
   profile_steps: str = ""  # "START:STOP" writes a jax.profiler trace of those steps to <workdir>/profile
+  # "hf:<folder>": start from a Hugging Face checkpoint folder (config.json + *.safetensors; Mixtral,
+  # Qwen3-MoE; models/hf_checkpoint.py). The model's shape comes from its config.json (model.* fields that
+  # change no parameter's shape stay yours), the tokenizer from its tokenizer.json while data.tokenizer is
+  # "byte". A workdir that holds checkpoints resumes from them instead.
+  init_from: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -253,6 +258,25 @@ class Config:
     if num_devices is not None:
       resolve_mesh_sizes(self.mesh, num_devices)
     return self
+
+
+def from_dict(cls, values: dict):
+  """The config dataclass `cls` from `dataclasses.asdict`'s output (a run's config.json): nested sections
+  rebuilt, lists back into the tuples the defaults use. A field that does not exist is an error."""
+  default = cls()
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - fields)
+  if unknown:
+    raise ConfigError(cls.__name__, unknown, "only fields this section has (a config.json of another meshmoe version?)")
+  kwargs = {}
+  for name, value in values.items():
+    current = getattr(default, name)
+    if dataclasses.is_dataclass(current):
+      value = from_dict(type(current), value)
+    elif isinstance(current, tuple) and isinstance(value, list):
+      value = tuple(value)
+    kwargs[name] = value
+  return cls(**kwargs)
 
 
 def resolve_mesh_sizes(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
@@ -368,6 +392,9 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
   _check_positive_int("train.eval_batches", t.eval_batches)
   _check_non_negative("train.peak_flops_per_device", t.peak_flops_per_device,
                       "a finite number >= 0 (0: look the device up)")
+  if not isinstance(t.init_from, str) or (t.init_from and not (t.init_from.startswith("hf:") and t.init_from[3:])):
+    raise ConfigError("train.init_from", t.init_from, "empty (random initialisation) or 'hf:<folder>', a Hugging "
+                      "Face checkpoint folder")
   if t.profile_steps or not isinstance(t.profile_steps, str):
     parts = t.profile_steps.split(":") if isinstance(t.profile_steps, str) else []
     if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):

@@ -8,6 +8,7 @@ same logits (to 1e-4 of their scale) on one device and on four mesh layouts, and
 for every token.
 """
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -186,3 +187,115 @@ def test_truncated_shard_and_missing_folder_are_named(tmp_path):
     _load_into_fresh_model(folder)
   with pytest.raises(hf_checkpoint.CheckpointError, match="has no config.json"):
     hf_checkpoint.read_config(tmp_path / "nowhere")
+
+
+# --- export -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first"])
+def test_export_writes_the_tensors_it_loaded_bitwise(case, tmp_path):
+  from safetensors.numpy import load_file
+  from meshmoe.models import hf_export
+  model, config, plan, _ = _load(case, LAYOUTS[2])  # tensor- and expert-parallel: blocks on many devices
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  out = hf_export.save(params, config.model, tmp_path / "export", dtype="float32", max_shard_bytes=50_000)
+  original = load_file(FIXTURES / case / "model.safetensors")
+  index = json.loads((out / "model.safetensors.index.json").read_text())
+  assert sorted(index["weight_map"]) == sorted(original)
+  assert len(set(index["weight_map"].values())) > 1  # several shards
+  exported = {}
+  for shard in sorted(set(index["weight_map"].values())):
+    exported.update(load_file(out / shard))
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+  # The exported folder loads back to the same model.
+  assert hf_checkpoint.model_config(hf_checkpoint.read_config(out)) == config.model
+  again = jax.tree.map(np.asarray, _load_into_fresh_model(out))
+  for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(again)[0],
+                               jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, params))[0]):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def test_failed_export_leaves_no_complete_looking_folder(tmp_path, monkeypatch):
+  from meshmoe.models import hf_export
+  model, config, _, _ = _load("mixtral_top2")
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  real, calls = hf_export._host_tensor, []
+
+  def failing(*args):
+    calls.append(1)
+    if len(calls) == 5:
+      raise OSError("disk full")
+    return real(*args)
+
+  monkeypatch.setattr(hf_export, "_host_tensor", failing)
+  with pytest.raises(OSError, match="disk full"):
+    hf_export.save(params, config.model, tmp_path / "export", max_shard_bytes=50_000)
+  assert not (tmp_path / "export").exists()
+  assert [p.name.split(".partial-")[0] for p in tmp_path.iterdir()] == ["export"]
+  monkeypatch.setattr(hf_export, "_host_tensor", real)
+  (tmp_path / "taken").mkdir()
+  with pytest.raises(hf_checkpoint.CheckpointError, match="exists: export writes a new folder"):
+    hf_export.save(params, config.model, tmp_path / "taken")
+
+
+def test_models_neither_family_computes_are_not_exported():
+  from meshmoe.models import hf_export
+  hf = hf_checkpoint.read_config(FIXTURES / "mixtral_top2")
+  model = hf_checkpoint.model_config(hf)
+  assert hf_export.hf_config(model, "bfloat16")["architectures"] == ["MixtralForCausalLM"]
+  shared = dataclasses.replace(model, moe=dataclasses.replace(model.moe, num_shared_experts=1))
+  with pytest.raises(hf_checkpoint.CheckpointError, match="num_shared_experts=1"):
+    hf_export.hf_config(shared, "bfloat16")
+  with pytest.raises(hf_checkpoint.CheckpointError, match="without qk_norm the model exports as Mixtral"):
+    hf_export.hf_config(dataclasses.replace(model, num_dense_layers=1), "bfloat16")
+
+
+# --- training from a checkpoint -------------------------------------------------------------------------
+
+
+def _char_tokenizer(path: pathlib.Path) -> None:
+  """A tokenizer.json of 96 entries (unknown + printable ASCII), the fixtures' vocabulary size."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+  tokenizer.decoder = decoders.Fuse()
+  tokenizer.save(str(path))
+
+
+def test_training_starts_from_the_checkpoint_and_resumes_its_own(tmp_path, capsys):
+  from meshmoe.config import DataConfig, OptimizerConfig, SampleConfig
+  from meshmoe.training import trainer
+  folder = _copy(tmp_path, "qwen3_moe_dense_first")
+  _char_tokenizer(folder / "tokenizer.json")
+  text = tmp_path / "corpus.txt"
+  text.write_text("def f(x):\n  return x * 2\n" * 400)
+  config = Config(mesh=MeshConfig(data=4, expert=2, preset="ep"),
+                  train=TrainConfig(steps=1, global_batch_size=8, seq_len=16, eval_every=0, eval_batches=1,
+                                    init_from=f"hf:{folder}"),
+                  # A vanishing rate: after one step the parameters are still the checkpoint's, bit for bit.
+                  optimizer=OptimizerConfig(learning_rate=1e-30, warmup_steps=0),
+                  data=DataConfig(source="text", paths=str(text), eval_paths=str(text)),
+                  sample=SampleConfig(max_new_tokens=0))
+  trainer.train(config, tmp_path / "run")
+  assert "parameters from" in capsys.readouterr().out
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert (saved["model"]["qk_norm"], saved["model"]["vocab_size"]) == (True, 96)  # from config.json
+  assert saved["data"]["tokenizer"] == str(folder / "tokenizer.json")
+  exported = tmp_path / "export"
+  from meshmoe.training import hf_convert
+  assert hf_convert.to_hf_folder(tmp_path / "run", exported, "float32") == 1
+  from safetensors.numpy import load_file
+  original = load_file(folder / "model.safetensors")
+  index = json.loads((exported / "model.safetensors.index.json").read_text())
+  written = {}
+  for shard in set(index["weight_map"].values()):
+    written.update(load_file(exported / shard))
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(written[name], tensor, err_msg=name)
+  assert (exported / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+  # A second run in the same workdir resumes from its own checkpoint, not from the Hugging Face folder.
+  trainer.train(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), tmp_path / "run")
+  out = capsys.readouterr().out
+  assert "resuming from the checkpoint of step 1" in out and "parameters from" not in out

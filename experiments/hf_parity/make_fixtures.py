@@ -2,6 +2,8 @@
 
   python -m venv /tmp/hf && /tmp/hf/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
   /tmp/hf/bin/python experiments/hf_parity/make_fixtures.py tests/golden/hf
+  # meshmoe's export read back by transformers (after `bash experiments/run.sh convert --to=hf ...`):
+  /tmp/hf/bin/python experiments/hf_parity/make_fixtures.py --check EXPORTED_FOLDER tests/golden/hf/<case>
 
 Builds tiny random models of each supported family with `transformers` (float32, seeded), saves each as
 a Hugging Face folder (config.json + model.safetensors) under the output folder, and beside it
@@ -62,10 +64,25 @@ def make(name: str, config_class: str, fields: dict, out: pathlib.Path) -> None:
   print(f"{name}: {sorted(p.name for p in folder.iterdir())}, logits scale {np.abs(again).max():.3f}")
 
 
+def check(exported: str, fixture: str) -> None:
+  """transformers loads meshmoe's export of a fixture and gives the fixture's logits."""
+  expected = np.load(pathlib.Path(fixture) / "expected.npz")
+  model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+  with torch.no_grad():
+    logits = model(torch.from_numpy(expected["tokens"]).long()).logits.float().numpy()
+  error = np.abs(logits - expected["logits"]).max() / np.abs(expected["logits"]).max()
+  print(f"{exported}: max |logits - fixture's| / scale = {error:.2e}")
+  if error > 1e-4:
+    raise SystemExit(f"{exported} does not reproduce {fixture}")
+
+
 def main(out: str) -> None:
   for name, (config_class, fields) in CASES.items():
     make(name, config_class, fields, pathlib.Path(out))
 
 
 if __name__ == "__main__":
-  main(sys.argv[1] if len(sys.argv) > 1 else "tests/golden/hf")
+  if len(sys.argv) == 4 and sys.argv[1] == "--check":
+    check(sys.argv[2], sys.argv[3])
+  else:
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/golden/hf")

@@ -15,17 +15,30 @@ import optax
 from flax import nnx
 
 from meshmoe.config import Config
+from meshmoe.models import hf_checkpoint
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding.plan import ParallelPlan
 
 
-def init_model(config: Config, plan: ParallelPlan) -> Transformer:
-  """The model of `config`, initialised from `config.train.seed`, with parameters sharded as `plan` says."""
+def init_model(config: Config, plan: ParallelPlan, params: Any = None) -> Transformer:
+  """The model of `config`, initialised from `config.train.seed`, with parameters sharded as `plan` says;
+  with `params` (placed already, e.g. `checkpoint_params`), those parameters and fresh other variables."""
   create = lambda: Transformer(config.model, rngs=nnx.Rngs(config.train.seed))
   abstract = nnx.eval_shape(create)
   shardings = plan.param_shardings(nnx.state(abstract))
-  state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
-  return nnx.merge(nnx.graphdef(abstract), state)
+  if params is None:
+    state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
+    return nnx.merge(nnx.graphdef(abstract), state)
+  # Only the non-parameter variables are computed: XLA drops the random parameters nobody returns.
+  others = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2], out_shardings=plan.replicated())()
+  return nnx.merge(nnx.graphdef(abstract), params, others)
+
+
+def checkpoint_params(config: Config, plan: ParallelPlan) -> Any:
+  """The parameters of `config.train.init_from` (a Hugging Face folder), each device reading its blocks."""
+  _, params, _ = abstract_model_state(config, plan)
+  folder = hf_checkpoint.folder_of(config.train.init_from)
+  return hf_checkpoint.load_params(folder, params, config.model)
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, plan: ParallelPlan) -> Any:

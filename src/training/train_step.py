@@ -61,9 +61,10 @@ class Trainer:
   state_shardings: Any
 
 
-def create(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainState]:
-  """The initial state (sharded as `plan` says) and the jitted steps for `config`."""
-  model = init_model(config, plan)
+def create(config: Config, plan: ParallelPlan, params: Any = None) -> tuple[Trainer, TrainState]:
+  """The initial state (sharded as `plan` says) and the jitted steps for `config`; `params`, placed as the
+  plan says, replace the random initial parameters (model_state.checkpoint_params)."""
+  model = init_model(config, plan, params)
   graphdef, params, others = nnx.split(model, nnx.Param, ...)
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
   opt_state = init_optimizer_state(optimizer, params, plan)

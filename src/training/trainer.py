@@ -27,10 +27,11 @@ from jax.experimental import multihost_utils
 from meshmoe.analysis import cost_model
 from meshmoe.config import Config, profile_range
 from meshmoe.data import pipeline as data_lib
+from meshmoe.models import hf_checkpoint
 from meshmoe.runtime import nonfinite, resilience, stragglers
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
-from meshmoe.training import metrics as metrics_lib, report, sampling, train_step
+from meshmoe.training import metrics as metrics_lib, model_state, report, sampling, train_step
 from meshmoe.training.checkpointing import Checkpointer
 
 
@@ -58,6 +59,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
   detector at work (experiments.train --debug_straggler), never set in a real run."""
   start_time = time.perf_counter()
   workdir = pathlib.Path(workdir)
+  config = hf_checkpoint.with_checkpoint_model(config)
   config.validate(jax.device_count())
   mesh = make_mesh(config.mesh)
   plan = ParallelPlan.build(config, mesh)  # checks the sharding divisibility; decides every parallel op
@@ -68,8 +70,14 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     plan.write_json(workdir / "plan.json")
     print(plan.table(), flush=True)
   data = data_lib.build_data(config, train_step.process_rows(config, plan))
-  trainer, state = train_step.create(config, plan)
   checkpointer = Checkpointer(workdir, config.checkpoint)
+  params = None
+  if config.train.init_from and checkpointer.latest_step() is None:
+    load_start = time.perf_counter()
+    params = model_state.checkpoint_params(config, plan)
+    if is_primary:
+      print(f"parameters from {config.train.init_from[3:]} in {time.perf_counter() - load_start:.1f}s", flush=True)
+  trainer, state = train_step.create(config, plan, params)
   restored = checkpointer.restore_latest(state)
   skipped_steps = 0
   if restored is not None:
