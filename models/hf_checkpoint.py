@@ -22,12 +22,17 @@ Layouts (torch `nn.Linear` stores [out, in]; meshmoe stores [in..., out...] with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import os
 import pathlib
+import struct
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -183,21 +188,21 @@ def _refuse_unsupported(hf: dict, arch: str) -> None:
 
 
 class Shards:
-  """The tensors of a folder's safetensors shards, by name, opened lazily (one handle per shard)."""
+  """The tensors of a folder's safetensors shards, by name. Each shard's header is read once; tensor blocks
+  are read with `os.pread`, rows at a time, into fresh arrays. (The `safetensors` package maps the whole
+  file: every page a load touches would stay resident until the file is closed, and a load touches them
+  all, so host memory would grow with the checkpoint.)"""
 
   def __init__(self, folder: str | pathlib.Path):
-    from safetensors import safe_open  # the loader's dependency only
-
-    self._open = safe_open
     self.folder = pathlib.Path(folder)
+    self._shards: dict[str, _Shard] = {}
     index = self.folder / "model.safetensors.index.json"
     if index.is_file():
       weight_map = json.loads(index.read_text()).get("weight_map", {})
     else:
       weight_map = {}
       for path in sorted(self.folder.glob("*.safetensors")):
-        with self._safe_open(path) as f:
-          weight_map.update({name: path.name for name in f.keys()})
+        weight_map.update({name: path.name for name in self._shard(path.name).tensors})
     if not weight_map:
       raise CheckpointError(f"{self.folder} has no *.safetensors shards (nor model.safetensors.index.json)")
     missing = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
@@ -205,30 +210,89 @@ class Shards:
       raise CheckpointError(f"model.safetensors.index.json names shards missing from {self.folder}: "
                             f"{', '.join(missing)}")
     self.weight_map = weight_map
-    self._handles: dict[str, object] = {}
 
-  def _safe_open(self, path: pathlib.Path):
-    try:
-      return self._open(str(path), framework="numpy")
-    except Exception as e:  # safetensors raises its own error types for a bad header or a truncated file
-      raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+  def _shard(self, name: str) -> "_Shard":
+    if name not in self._shards:
+      self._shards[name] = _Shard(self.folder / name)
+    return self._shards[name]
 
-  def tensor(self, name: str):
-    """The lazy slice of tensor `name` (index it with slices to read a block)."""
+  def tensor(self, name: str) -> "_TensorFile":
+    """Tensor `name`; index it with slices to read a block."""
     if name not in self.weight_map:
       raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
-    shard = self.weight_map[name]
-    if shard not in self._handles:
-      self._handles[shard] = self._safe_open(self.folder / shard).__enter__()
-    return self._handles[shard].get_slice(name)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self.tensor(name).get_shape())
+    shard = self._shard(self.weight_map[name])
+    if name not in shard.tensors:
+      raise CheckpointError(f"tensor {name!r} is not in {shard.path}, where the index says it is")
+    return shard.tensors[name]
 
   def close(self) -> None:
-    for handle in self._handles.values():
-      handle.__exit__(None, None, None)
-    self._handles.clear()
+    for shard in self._shards.values():
+      os.close(shard.fd)
+    self._shards.clear()
+
+
+# safetensors dtype names -> numpy dtypes (ml_dtypes for the ones numpy lacks).
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                      "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+                      "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class _Shard:
+  """One safetensors file: an 8-byte little-endian header length, a JSON header (per tensor: dtype, shape,
+  data_offsets), then the tensors' bytes."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      (length,) = struct.unpack("<Q", os.pread(fd, 8, 0)) if size >= 8 else (None,)
+      if length is None or 8 + length > size:
+        raise CheckpointError(f"{path} is not a readable safetensors file: truncated header")
+      try:
+        header = json.loads(os.pread(fd, length, 8))
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: header is not JSON ({e})") from None
+    except BaseException:
+      os.close(fd)
+      raise
+    self.fd = fd
+    self.tensors = {}
+    for name, entry in header.items():
+      if name == "__metadata__":
+        continue
+      begin, end = entry["data_offsets"]
+      if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"tensor {name!r} in {path} has dtype {entry['dtype']}; meshmoe reads "
+                              f"{', '.join(SAFETENSORS_DTYPES)}")
+      dtype = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]])
+      if 8 + length + end > size or end - begin != math.prod(entry["shape"]) * dtype.itemsize:
+        raise CheckpointError(f"{path} is not a readable safetensors file: tensor {name!r} lies past its end "
+                              "(a truncated or partly copied file)")
+      self.tensors[name] = _TensorFile(fd, 8 + length + begin, tuple(entry["shape"]), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorFile:
+  fd: int
+  offset: int  # of its first byte in the file
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+  def get_shape(self) -> tuple[int, ...]:
+    return self.shape
+
+  def __getitem__(self, index) -> np.ndarray:
+    """The block `index` (slices, one per dimension at most): whole rows of the first dimension are read,
+    the other dimensions sliced in memory."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not self.shape:
+      return np.frombuffer(os.pread(self.fd, self.dtype.itemsize, self.offset), self.dtype).reshape(())
+    lo, hi = _bounds(index[0], self.shape[0]) if index else (0, self.shape[0])
+    row = math.prod(self.shape[1:]) * self.dtype.itemsize
+    data = os.pread(self.fd, (hi - lo) * row, self.offset + lo * row)
+    block = np.frombuffer(data, self.dtype).reshape(hi - lo, *self.shape[1:])
+    return block[(slice(None), *index[1:])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +384,18 @@ def _read_block(shards: Shards, name: str, source: Source, trailing: tuple[int, 
   return block[(slice(None), *in_inner, slice(None), *out_inner)]
 
 
+@functools.cache
+def _broadcast(shape: tuple[int, ...], dtype: np.dtype):
+  """jit(zero) -> zeros of `shape` on the zero's device."""
+  return jax.jit(lambda zero: jnp.broadcast_to(zero.astype(dtype), shape))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_part(block: jax.Array, part: jax.Array, at: jax.Array) -> jax.Array:
+  """block[at...] = part, in place (the block is donated)."""
+  return jax.lax.dynamic_update_slice(block, part[(None,) * at.shape[0]], (*at, *([0] * part.ndim)))
+
+
 def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig, hf: dict | None = None):
   """The parameters of the checkpoint at `folder`, placed like `abstract_params` (a tree of nnx Variables
   holding jax.ShapeDtypeStruct with shardings, e.g. training.model_state.abstract_model_state's), each
@@ -341,19 +417,41 @@ def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig
     lead = len(source.stacked)
     trailing = shape[lead:]
 
-    def block(index):
-      index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-      ranges = [range(*_bounds(i, s)) for i, s in zip(index[:lead], shape[:lead])]
-      if not ranges:
-        return _read_block(shards, source.name(), source, trailing, index).astype(dtype)
-      blocks = []
+    def tensors(index):
+      """The Hugging Face tensors' blocks that make up block `index` of this parameter, one at a time."""
+      ranges = [range(*_bounds(i, n)) for i, n in zip(index[:lead], shape[:lead])]
       for combo in np.ndindex(*(len(r) for r in ranges)):
         at = {kind: r[c] for kind, r, c in zip(source.stacked, ranges, combo)}
-        name = source.name(at["layer"] + source.layer_offset, at.get("expert"))
-        blocks.append(_read_block(shards, name, source, trailing, index[lead:]).astype(dtype))
-      return np.stack(blocks).reshape(*(len(r) for r in ranges), *blocks[0].shape)
+        name = source.name(at["layer"] + source.layer_offset, at.get("expert")) if lead else source.name()
+        yield _read_block(shards, name, source, trailing, index[lead:]).astype(dtype)
 
-    array = jax.make_array_from_callback(shape, spec.sharding, block)
+    def device_block(index, devices):
+      """Block `index` on each of `devices` (those holding the same block): each Hugging Face tensor's
+      part is read once and written into the block on every device (in place: the block is donated)
+      before the next is read. Host memory holds one tensor's part at a time, each device its block and
+      one part."""
+      index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+      if not lead:
+        block = next(tensors(index))
+        return [jax.device_put(block, d) for d in devices]
+      block_shape = tuple(len(range(*_bounds(i, n))) for i, n in zip(index, shape))
+      blocks = [jax.device_put(np.zeros((), dtype), d) for d in devices]
+      blocks = [_broadcast(block_shape, np.dtype(dtype))(b) for b in blocks]
+      for position, part in enumerate(tensors(index)):
+        at = np.asarray(np.unravel_index(position, block_shape[:lead]), np.int32)
+        blocks = [_write_part(b, jax.device_put(part, d), at) for b, d in zip(blocks, devices)]
+      return blocks
+
+    by_index: dict[tuple, list] = {}
+    for device, index in spec.sharding.addressable_devices_indices_map(shape).items():
+      by_index.setdefault(tuple((i.start, i.stop) for i in index), []).append((device, index))
+    arrays = {}
+    for placements in by_index.values():
+      devices = [device for device, _ in placements]
+      blocks = device_block(placements[0][1], devices)
+      arrays.update(zip(devices, blocks))
+    array = jax.make_array_from_single_device_arrays(
+        shape, spec.sharding, [arrays[d] for d in spec.sharding.addressable_devices_indices_map(shape)])
     return variable.replace(array)
 
   try:

@@ -20,6 +20,7 @@ tensors held in memory together, which would hold a whole shard on the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -109,13 +110,18 @@ def _order(name: str):
 
 
 def _host_tensor(array: jax.Array, tensor: _Tensor, dtype) -> np.ndarray:
-  """The tensor, gathered to this host and in torch's layout (every process calls this)."""
-  block = array[tensor.at] if tensor.at else array
-  value = np.asarray(multihost_utils.process_allgather(block, tiled=True))
+  """The tensor, gathered to this host and in torch's layout (every process calls this). It is cut out by
+  indexing (which reads only the devices that hold it), then transposed and cast on those devices."""
   source = tensor.source
-  if source.in_dims:
-    value = value.reshape(math.prod(source.in_dims), math.prod(source.out_dims)).T
-  return np.ascontiguousarray(value.astype(dtype))
+  block = array[tensor.at] if tensor.at else array
+  block = _to_torch_layout(math.prod(source.in_dims) if source.in_dims else 0, np.dtype(dtype))(block)
+  return np.ascontiguousarray(np.asarray(multihost_utils.process_allgather(block, tiled=True)))
+
+
+@functools.cache
+def _to_torch_layout(rows_in: int, dtype: np.dtype):
+  """jit(block) -> the block as torch lays it out ([out, in] when `rows_in`, the in side's size), cast."""
+  return jax.jit(lambda block: (block.reshape(rows_in, -1).T if rows_in else block).astype(dtype))
 
 
 def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str = "bfloat16",
