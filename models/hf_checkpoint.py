@@ -5,12 +5,12 @@ Architectures (`config.json`'s "architectures"): MixtralForCausalLM and Qwen3Moe
 the first layers, meshmoe's `num_dense_layers`). Anything else is refused with the reason, never
 approximated.
 
-Loading streams: each parameter is built with `jax.make_array_from_callback`, whose callback is asked
-for exactly the block one device holds under the run's mesh and preset. The block is read from the
-safetensors shard that holds it (`safe_open(...).get_slice`: only the rows and columns asked for, of one
-layer's (and one expert's) tensor at a time), transposed to meshmoe's layout and cast to float32. So
-host memory holds a few tensor blocks at a time, never the model, and each process of a multi-process
-job reads only the blocks of its own devices.
+Loading streams: each device's block of each parameter is assembled from the Hugging Face tensors that
+hold it (one layer's, one expert's), read one at a time with `os.pread` (only the rows the block needs,
+`Shards`), transposed to meshmoe's layout, cast to float32, copied to the devices that hold that block
+and written into their block in place; devices that hold the same block share the read. So host memory
+holds one tensor's block at a time, never the model, and each process of a multi-process job reads only
+the blocks of its own devices.
 
 Layouts (torch `nn.Linear` stores [out, in]; meshmoe stores [in..., out...] with the heads apart):
   q_proj [N*H, D] -> query_DNH [D, N, H];  k_proj, v_proj [G*H, D] -> [D, G, H];  o_proj [D, N*H] ->
