@@ -1,6 +1,9 @@
 """Top-k router: scores, expert choice, combine weights and the router losses (shape legend in layers.py).
 
 - Scores are softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) of float32 logits.
+- With `num_groups` > 1 (DeepSeek-V3), a token picks its experts only among its `top_k_groups` best groups
+  of experts, a group's rank being the sum of its two highest selection scores (biased, when there is a
+  bias), as `transformers`' DeepseekV3TopkRouter computes it.
 - With `expert_bias`, a per-expert bias is added to the scores only to choose experts; the combine weights
   use the unbiased scores (DeepSeek-V3's aux-loss-free balancing). The bias is an `ExpertBias` variable,
   not an nnx.Param: optimizers skip it and `update_expert_bias` moves it from the observed load.
@@ -61,6 +64,8 @@ class Router(nnx.Module):
     else:
       scores_TE = jax.nn.sigmoid(logits_TE)
     choice_TE = scores_TE if self.bias_E is None else scores_TE + self.bias_E[...]
+    if cfg.num_groups > 1:
+      choice_TE = limit_to_groups(choice_TE, cfg.num_groups, cfg.top_k_groups)
     experts_TK = top_k_experts(jax.lax.stop_gradient(choice_TE), cfg.top_k)
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if cfg.normalize_top_k:
@@ -94,6 +99,17 @@ def top_k_experts(scores_TE: jax.Array, k: int) -> jax.Array:
     chosen.append(best_T)
     remaining_TE = jnp.where(expert_ids_E == best_T[..., None], -jnp.inf, remaining_TE)
   return jnp.stack(chosen, axis=-1)
+
+
+def limit_to_groups(choice_TE: jax.Array, num_groups: int, top_k_groups: int) -> jax.Array:
+  """The selection scores with every expert outside each token's `top_k_groups` best groups set to -inf
+  (module docstring). The ranks come from top_k_experts, like the experts' (no lax.top_k over tokens)."""
+  *token_dims, num_experts = choice_TE.shape
+  grouped_TGX = choice_TE.reshape(*token_dims, num_groups, num_experts // num_groups)
+  group_score_TG = jnp.sum(jnp.take_along_axis(grouped_TGX, top_k_experts(grouped_TGX, 2), axis=-1), axis=-1)
+  kept_group_TG = jnp.any(jax.nn.one_hot(top_k_experts(group_score_TG, top_k_groups), num_groups, dtype=bool),
+                          axis=-2)
+  return jnp.where(kept_group_TG[..., None], grouped_TGX, -jnp.inf).reshape(choice_TE.shape)
 
 
 def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:

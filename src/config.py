@@ -49,6 +49,11 @@ class MoEConfig:
   score_fn: str = "softmax"  # softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)
   normalize_top_k: bool = True  # rescale the chosen k weights to sum to 1
   routed_scaling: float = 1.0  # multiplies the routed output (DeepSeek-V3: 2.5)
+  # Group-limited routing (DeepSeek-V3's node-limited routing): the experts form `num_groups` equal groups
+  # (in id order); each token ranks the groups by the sum of their two highest selection scores, keeps the
+  # best `top_k_groups` and picks its top_k experts among theirs. 1 group: no limit.
+  num_groups: int = 1
+  top_k_groups: int = 1
   # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores only to choose experts.
   # It is a non-trainable variable, nudged by `update_rate * sign(mean load - load)` after each step.
   expert_bias: bool = False
@@ -326,6 +331,7 @@ def _validate_model(m: ModelConfig) -> None:
   _check_choice("model.dtype", m.dtype, DTYPES)
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
   _check_bool("model.tie_embeddings", m.tie_embeddings)
+  _check_bool("model.qk_norm", m.qk_norm)
   _check_int("model.logits_chunk_bytes", m.logits_chunk_bytes, 0,
              "0 (the logits whole) or a positive number of bytes of logits per chunk")
   if m.head_dim % 2:
@@ -352,6 +358,17 @@ def _validate_moe(moe: MoEConfig) -> None:
   _check_bool("model.moe.normalize_top_k", moe.normalize_top_k)
   _check_bool("model.moe.expert_bias", moe.expert_bias)
   _check_positive_float("model.moe.routed_scaling", moe.routed_scaling)
+  _check_positive_int("model.moe.num_groups", moe.num_groups)
+  if moe.num_experts % moe.num_groups or (moe.num_groups > 1 and moe.num_experts // moe.num_groups < 2):
+    raise ConfigError("model.moe.num_groups", moe.num_groups,
+                      f"a divisor of model.moe.num_experts={moe.num_experts} leaving at least 2 experts per group "
+                      "(groups are ranked by their two best scores), or 1")
+  group_size = moe.num_experts // moe.num_groups
+  if (not isinstance(moe.top_k_groups, int) or isinstance(moe.top_k_groups, bool)
+      or not 1 <= moe.top_k_groups <= moe.num_groups or moe.top_k_groups * group_size < moe.top_k):
+    raise ConfigError("model.moe.top_k_groups", moe.top_k_groups,
+                      f"an integer from 1 to model.moe.num_groups={moe.num_groups} whose groups hold at least "
+                      f"model.moe.top_k={moe.top_k} experts ({group_size} per group)")
   for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
     _check_non_negative(f"model.moe.{name}", getattr(moe, name))
   if moe.capacity_factor is not None:

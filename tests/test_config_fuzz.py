@@ -81,7 +81,7 @@ CHOICES = {"model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POL
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
            "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
-BOOLS = ["model.tie_embeddings", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
+BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
          "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save"]
 
 BAD: dict[str, st.SearchStrategy] = {
@@ -96,10 +96,15 @@ BAD: dict[str, st.SearchStrategy] = {
     "model.num_dense_layers": st.integers(max_value=-1) | st.integers(min_value=10**4) | not_an_int,
     "model.moe.top_k": positive_int_bad() | st.integers(min_value=10**4),  # more than the experts
     "model.moe.capacity_factor": positive_float_bad(none_allowed=True),
+    # With the default 8 experts: groups that do not divide them or leave one expert per group.
+    "model.moe.num_groups": positive_int_bad() | st.sampled_from([3, 5, 6, 7, 8, 16]),
+    "model.moe.top_k_groups": positive_int_bad() | st.integers(min_value=2),  # more than the 1 group
     "optimizer.min_learning_rate_ratio": between_bad(0, 1, low_ok=True, high_ok=True),
     "optimizer.b1": between_bad(0, 1, low_ok=True, high_ok=False),
     "optimizer.b2": between_bad(0, 1, low_ok=True, high_ok=False),
     "train.seed": not_an_int,
+    "train.init_from": not_a_string | st.just("hf:") | st.text(min_size=1, max_size=8).filter(
+        lambda s: not s.startswith("hf:")),
     "train.seq_len": positive_int_bad() | st.integers(min_value=10**6),  # beyond model.max_seq_len
     "train.grad_accum_steps": positive_int_bad() | st.sampled_from([10_007, 65_537]),  # divides no batch
     "train.profile_steps": (st.sampled_from(["5", "5:", ":5", "a:b", "3:3", "8:2", "1:2:3", " 1:2"])

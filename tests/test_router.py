@@ -61,6 +61,39 @@ def test_expert_bias_changes_choice_but_not_weights():
   assert_close(out.weights_TK, top / top.sum(-1, keepdims=True), FP32_MODULE_RTOL, "unbiased weights")
 
 
+def _group_limited_reference(scores, bias, num_groups, top_k_groups, k, scaling):
+  """DeepSeek-V3's routing as transformers' DeepseekV3TopkRouter writes it, in numpy float64."""
+  choice = scores + bias
+  tokens, experts = choice.shape
+  grouped = choice.reshape(tokens, num_groups, experts // num_groups)
+  group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+  kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :top_k_groups]
+  mask = np.zeros((tokens, num_groups), bool)
+  np.put_along_axis(mask, kept, True, axis=-1)
+  masked = np.where(np.repeat(mask, experts // num_groups, axis=-1), choice, -np.inf)
+  chosen = np.argsort(-masked, axis=-1, kind="stable")[:, :k]
+  weights = np.take_along_axis(scores, chosen, -1)
+  return chosen, scaling * weights / (weights.sum(-1, keepdims=True) + 1e-20)
+
+
+def test_group_limited_routing_matches_deepseek_v3():
+  moe = MoEConfig(num_experts=16, top_k=4, score_fn="sigmoid", expert_bias=True, routed_scaling=2.5,
+                  num_groups=4, top_k_groups=2)
+  router = Router(D, moe, std=0.5, rngs=nnx.Rngs(3))
+  router.bias_E[...] = 0.1 * jax.random.normal(jax.random.key(4), (16,))
+  x = jax.random.normal(jax.random.key(5), (64, D))
+  out = router(x)
+  scores = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ np.asarray(router.kernel_DE[...], np.float64))))
+  chosen, weights = _group_limited_reference(scores, np.asarray(router.bias_E[...], np.float64), 4, 2, 4, 2.5)
+  np.testing.assert_array_equal(np.asarray(out.experts_TK), chosen)
+  assert_close(out.weights_TK, weights, FP32_MODULE_RTOL, "weights")
+  # The limit binds: every token's experts lie in at most 2 groups, and without it some would not.
+  assert max(len(set(row // 4)) for row in np.asarray(out.experts_TK)) == 2
+  unlimited = Router(D, MoEConfig(**{**vars(moe), "num_groups": 1, "top_k_groups": 1}), std=0.5, rngs=nnx.Rngs(3))
+  unlimited.bias_E[...] = router.bias_E[...]
+  assert max(len(set(row // 4)) for row in np.asarray(unlimited(x).experts_TK)) > 2
+
+
 def test_expert_bias_is_not_a_trainable_param():
   router = _router(expert_bias=True)
   params = nnx.state(router, nnx.Param)

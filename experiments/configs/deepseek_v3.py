@@ -33,9 +33,10 @@ Parameters (meshmoe.analysis.cost_model.active_params): 674,836,083,712 total an
 (674.8B / 41.4B); published 671B / 37B. Replacing the 61 GQA blocks' weights by MLA's (3,809,679,360
 fewer) gives 671,026,404,352 / 37,552,282,624: the published 671B, and 1.5% over the published 37B.
 Not modelled either: the multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's
-685B = 671B + 14B); node-limited routing (each token's experts on at most 4 of 8 node groups); the
-sequence-wise form of the balance loss (meshmoe's is over each micro-batch's tokens); FP8 training (bf16
-here). The 58 x 256 selection biases are ExpertBias variables, not parameters, and are not counted.
+685B = 671B + 14B); the sequence-wise form of the balance loss (meshmoe's is over each micro-batch's
+tokens); FP8 training (bf16 here). Routing is the paper's node-limited one: each token's 8 experts come
+from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 selection biases are
+ExpertBias variables, not parameters, and are not counted.
 
 Choices:
 - mesh: preset "tp_sp" with tensor=8 (within a node), expert=-1 (fills the devices: 8 at 64 devices, 64 at
@@ -69,6 +70,7 @@ def get_config() -> Config:
           moe=MoEConfig(
               num_experts=256, top_k=8, expert_mlp_dim=2048, num_shared_experts=1, score_fn="sigmoid",
               normalize_top_k=True, routed_scaling=2.5, expert_bias=True, expert_bias_update_rate=1e-3,
+              num_groups=8, top_k_groups=4,
               aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
       ),
       mesh=MeshConfig(data=1, expert=-1, tensor=8, sequence=1, preset="tp_sp"),
