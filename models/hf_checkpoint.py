@@ -210,10 +210,11 @@ class Shards:
       raise CheckpointError(f"model.safetensors.index.json names shards missing from {self.folder}: "
                             f"{', '.join(missing)}")
     self.weight_map = weight_map
+    self.bytes_read = 0  # tensor bytes read so far (each block once per process)
 
   def _shard(self, name: str) -> "_Shard":
     if name not in self._shards:
-      self._shards[name] = _Shard(self.folder / name)
+      self._shards[name] = _Shard(self.folder / name, self)
     return self._shards[name]
 
   def tensor(self, name: str) -> "_TensorFile":
@@ -241,7 +242,7 @@ class _Shard:
   """One safetensors file: an 8-byte little-endian header length, a JSON header (per tensor: dtype, shape,
   data_offsets), then the tensors' bytes."""
 
-  def __init__(self, path: pathlib.Path):
+  def __init__(self, path: pathlib.Path, owner: "Shards | None" = None):
     self.path = path
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
@@ -269,7 +270,7 @@ class _Shard:
       if 8 + length + end > size or end - begin != math.prod(entry["shape"]) * dtype.itemsize:
         raise CheckpointError(f"{path} is not a readable safetensors file: tensor {name!r} lies past its end "
                               "(a truncated or partly copied file)")
-      self.tensors[name] = _TensorFile(fd, 8 + length + begin, tuple(entry["shape"]), dtype)
+      self.tensors[name] = _TensorFile(fd, 8 + length + begin, tuple(entry["shape"]), dtype, owner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +279,7 @@ class _TensorFile:
   offset: int  # of its first byte in the file
   shape: tuple[int, ...]
   dtype: np.dtype
+  owner: "Shards | None" = None  # counts the bytes read
 
   def get_shape(self) -> tuple[int, ...]:
     return self.shape
@@ -291,6 +293,8 @@ class _TensorFile:
     lo, hi = _bounds(index[0], self.shape[0]) if index else (0, self.shape[0])
     row = math.prod(self.shape[1:]) * self.dtype.itemsize
     data = os.pread(self.fd, (hi - lo) * row, self.offset + lo * row)
+    if self.owner is not None:
+      self.owner.bytes_read += len(data)
     block = np.frombuffer(data, self.dtype).reshape(hi - lo, *self.shape[1:])
     return block[(slice(None), *index[1:])]
 
@@ -396,10 +400,12 @@ def _write_part(block: jax.Array, part: jax.Array, at: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice(block, part[(None,) * at.shape[0]], (*at, *([0] * part.ndim)))
 
 
-def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig, hf: dict | None = None):
+def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig, hf: dict | None = None,
+                report: dict | None = None):
   """The parameters of the checkpoint at `folder`, placed like `abstract_params` (a tree of nnx Variables
   holding jax.ShapeDtypeStruct with shardings, e.g. training.model_state.abstract_model_state's), each
-  device's block read on its own (module docstring)."""
+  device's block read on its own (module docstring). `report`, if given, gets "bytes_read": the tensor
+  bytes this process read."""
   hf = read_config(folder) if hf is None else hf
   table = sources(hf, config)
   shards = Shards(folder)
@@ -458,6 +464,8 @@ def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig
     params = jax.tree_util.tree_map_with_path(load, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
   finally:
     shards.close()
+    if report is not None:
+      report["bytes_read"] = shards.bytes_read
   if expected - seen:
     raise CheckpointError(f"the model has no parameters for {sorted(expected - seen)} (internal: mapping)")
   return params

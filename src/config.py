@@ -190,6 +190,10 @@ class TrainConfig:
   # change no parameter's shape stay yours), the tokenizer from its tokenizer.json while data.tokenizer is
   # "byte". A workdir that holds checkpoints resumes from them instead.
   init_from: str = ""
+  # A folder that does not exist yet: at the end of training (not when preempted) the final parameters
+  # are written there as a Hugging Face folder, bfloat16, with the tokenizer (models/hf_export.py; the
+  # model must be one of the families it writes). Also: `python -m experiments.convert --to=hf`.
+  export_hf: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -412,6 +416,8 @@ def _validate_train(t: TrainConfig, m: ModelConfig) -> None:
   if not isinstance(t.init_from, str) or (t.init_from and not (t.init_from.startswith("hf:") and t.init_from[3:])):
     raise ConfigError("train.init_from", t.init_from, "empty (random initialisation) or 'hf:<folder>', a Hugging "
                       "Face checkpoint folder")
+  if not isinstance(t.export_hf, str):
+    raise ConfigError("train.export_hf", t.export_hf, "empty (no export) or the path of a folder to create")
   if t.profile_steps or not isinstance(t.profile_steps, str):
     parts = t.profile_steps.split(":") if isinstance(t.profile_steps, str) else []
     if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):

@@ -178,6 +178,17 @@ def _case(fields, field, value, allowed):
      "at most model.moe.num_experts=8 (each token picks distinct experts)"),
     ({"model.moe.num_experts": 1, "model.moe.top_k": 2}, "model.moe.top_k", 2,
      "at most model.moe.num_experts=1 (each token picks distinct experts)"),
+    ({"model.moe.num_groups": 3}, "model.moe.num_groups", 3,
+     "a divisor of model.moe.num_experts=8 leaving at least 2 experts per group (groups are ranked by their two "
+     "best scores), or 1"),
+    ({"model.moe.num_groups": 8}, "model.moe.num_groups", 8,
+     "a divisor of model.moe.num_experts=8 leaving at least 2 experts per group (groups are ranked by their two "
+     "best scores), or 1"),
+    ({"model.moe.num_groups": 4, "model.moe.top_k": 4, "model.moe.top_k_groups": 1}, "model.moe.top_k_groups", 1,
+     "an integer from 1 to model.moe.num_groups=4 whose groups hold at least model.moe.top_k=4 experts "
+     "(2 per group)"),
+    ({"train.init_from": "/models/x"}, "train.init_from", "/models/x",
+     "empty (random initialisation) or 'hf:<folder>', a Hugging Face checkpoint folder"),
     ({"model.moe.num_shared_experts": -1}, "model.moe.num_shared_experts", -1, "an integer >= 0"),
     ({"model.moe.num_shared_experts": 1.5}, "model.moe.num_shared_experts", 1.5, "an integer >= 0"),
     ({"model.moe.num_shared_experts": True}, "model.moe.num_shared_experts", True, "an integer >= 0"),

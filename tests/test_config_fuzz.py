@@ -96,13 +96,13 @@ BAD: dict[str, st.SearchStrategy] = {
     "model.num_dense_layers": st.integers(max_value=-1) | st.integers(min_value=10**4) | not_an_int,
     "model.moe.top_k": positive_int_bad() | st.integers(min_value=10**4),  # more than the experts
     "model.moe.capacity_factor": positive_float_bad(none_allowed=True),
-    # With the default 8 experts: groups that do not divide them or leave one expert per group.
-    "model.moe.num_groups": positive_int_bad() | st.sampled_from([3, 5, 6, 7, 8, 16]),
-    "model.moe.top_k_groups": positive_int_bad() | st.integers(min_value=2),  # more than the 1 group
+    "model.moe.num_groups": positive_int_bad() | st.integers(min_value=10**4),  # more groups than experts
+    "model.moe.top_k_groups": positive_int_bad() | st.integers(min_value=10**4),  # more than the groups
     "optimizer.min_learning_rate_ratio": between_bad(0, 1, low_ok=True, high_ok=True),
     "optimizer.b1": between_bad(0, 1, low_ok=True, high_ok=False),
     "optimizer.b2": between_bad(0, 1, low_ok=True, high_ok=False),
     "train.seed": not_an_int,
+    "train.export_hf": not_a_string,
     "train.init_from": not_a_string | st.just("hf:") | st.text(min_size=1, max_size=8).filter(
         lambda s: not s.startswith("hf:")),
     "train.seq_len": positive_int_bad() | st.integers(min_value=10**6),  # beyond model.max_seq_len

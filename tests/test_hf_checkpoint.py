@@ -10,11 +10,13 @@ for every token.
 
 import dataclasses
 import json
+import re
 import pathlib
 import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -299,3 +301,40 @@ def test_training_starts_from_the_checkpoint_and_resumes_its_own(tmp_path, capsy
   trainer.train(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), tmp_path / "run")
   out = capsys.readouterr().out
   assert "resuming from the checkpoint of step 1" in out and "parameters from" not in out
+
+
+def test_two_processes_load_their_own_blocks_and_export_together(tmp_path):
+  """2 processes x 4 CPU devices, experts over all 8: each process reads only its experts' tensors (the
+  rest, replicated, once each), and the export at the end of training writes the checkpoint's tensors
+  back bit for bit (shards from both processes)."""
+  from safetensors.numpy import load_file
+  from tests import runs
+  folder = _copy(tmp_path, "qwen3_moe_norm_topk")  # 8 experts: one per device
+  _char_tokenizer(folder / "tokenizer.json")
+  text = tmp_path / "corpus.txt"
+  text.write_text("def f(x):\n  return x * 2\n" * 400)
+  exported = tmp_path / "export"
+  result = runs.run(runs.launch_command(
+      tmp_path / "run", f"--config.train.init_from=hf:{folder}", f"--config.train.export_hf={exported}",
+      "--config.mesh.data=1", "--config.mesh.expert=8", "--config.mesh.preset=ep", "--config.train.steps=1",
+      "--config.train.global_batch_size=8", "--config.train.seq_len=16", "--config.train.eval_every=0",
+      "--config.optimizer.learning_rate=1e-30", "--config.optimizer.warmup_steps=0",
+      "--config.data.source=text", f"--config.data.paths={text}", f"--config.data.eval_paths={text}",
+      "--config.sample.max_new_tokens=0"), timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  logs = "".join((tmp_path / "run" / "logs" / f"process_{i}.log").read_text() for i in range(2))
+  read = {int(p): float(mb.replace(",", "")) for mb, p in re.findall(r"\(([\d.,]+) MB read by process (\d)\)", logs)}
+  original = load_file(folder / "model.safetensors")
+  expert_mb = sum(t.nbytes for n, t in original.items() if ".experts." in n) / 1e6
+  shared_mb = sum(t.nbytes for n, t in original.items() if ".experts." not in n) / 1e6
+  # Each process reads the replicated tensors once (its 4 devices share the read) and its 4 experts.
+  for process in (0, 1):
+    assert read[process] == pytest.approx(shared_mb + expert_mb / 2, abs=0.01), (read, shared_mb, expert_mb)
+  index = json.loads((exported / "model.safetensors.index.json").read_text())
+  written = {}
+  for shard in set(index["weight_map"].values()):
+    written.update(load_file(exported / shard))
+  assert sorted(written) == sorted(original)
+  for name, tensor in original.items():  # exported in bfloat16: the checkpoint's values rounded to it
+    assert written[name].dtype == ml_dtypes.bfloat16, name
+    np.testing.assert_array_equal(written[name], tensor.astype(ml_dtypes.bfloat16), err_msg=name)

@@ -34,11 +34,12 @@ def init_model(config: Config, plan: ParallelPlan, params: Any = None) -> Transf
   return nnx.merge(nnx.graphdef(abstract), params, others)
 
 
-def checkpoint_params(config: Config, plan: ParallelPlan) -> Any:
-  """The parameters of `config.train.init_from` (a Hugging Face folder), each device reading its blocks."""
+def checkpoint_params(config: Config, plan: ParallelPlan, report: dict | None = None) -> Any:
+  """The parameters of `config.train.init_from` (a Hugging Face folder), each device reading its blocks
+  (`report`: hf_checkpoint.load_params')."""
   _, params, _ = abstract_model_state(config, plan)
   folder = hf_checkpoint.folder_of(config.train.init_from)
-  return hf_checkpoint.load_params(folder, params, config.model)
+  return hf_checkpoint.load_params(folder, params, config.model, report=report)
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, plan: ParallelPlan) -> Any:

@@ -25,9 +25,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from meshmoe.analysis import cost_model
-from meshmoe.config import Config, profile_range
+from meshmoe.config import Config, ConfigError, profile_range
 from meshmoe.data import pipeline as data_lib
-from meshmoe.models import hf_checkpoint
+from meshmoe.models import hf_checkpoint, hf_export
 from meshmoe.runtime import nonfinite, resilience, stragglers
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
@@ -63,6 +63,8 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
   config.validate(jax.device_count())
   mesh = make_mesh(config.mesh)
   plan = ParallelPlan.build(config, mesh)  # checks the sharding divisibility; decides every parallel op
+  if config.train.export_hf:  # before hours of training, not after them
+    _check_export(config)
   is_primary = jax.process_index() == 0
   if is_primary:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -73,10 +75,10 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
   checkpointer = Checkpointer(workdir, config.checkpoint)
   params = None
   if config.train.init_from and checkpointer.latest_step() is None:
-    load_start = time.perf_counter()
-    params = model_state.checkpoint_params(config, plan)
-    if is_primary:
-      print(f"parameters from {config.train.init_from[3:]} in {time.perf_counter() - load_start:.1f}s", flush=True)
+    load_start, loaded = time.perf_counter(), {}
+    params = model_state.checkpoint_params(config, plan, loaded)
+    print(f"parameters from {config.train.init_from[3:]} in {time.perf_counter() - load_start:.1f}s "
+          f"({loaded['bytes_read'] / 1e6:,.3f} MB read by process {jax.process_index()})", flush=True)
   trainer, state = train_step.create(config, plan, params)
   restored = checkpointer.restore_latest(state)
   skipped_steps = 0
@@ -115,6 +117,9 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
       _finish_checkpoints(checkpointer, watchdog)
       raise
     _finish_checkpoints(checkpointer, watchdog)
+    if config.train.export_hf and preempted_at is None:
+      watchdog.beat("exporting the parameters to train.export_hf")
+      _export(config, state)
     watchdog.beat("sampling")
     samples = {} if preempted_at is not None else _samples(config, trainer, state, data.tokenizer, is_primary)
     watchdog.beat(None)
@@ -253,6 +258,21 @@ def _train_record(metrics: dict, step_time: float, tokens_per_step: int, flops_p
       "expert_load_imbalance": metrics_lib.expert_load_imbalance(load),
       "dropped_fraction": np.asarray(metrics["dropped_fraction"]).tolist(),
   }
+
+
+def _check_export(config: Config) -> None:
+  folder = pathlib.Path(config.train.export_hf)
+  if folder.exists():
+    raise ConfigError("train.export_hf", config.train.export_hf, "a folder that does not exist yet (export "
+                      "never overwrites one)")
+  hf_export.hf_config(config.model, "bfloat16")  # a model neither family computes fails here, not at the end
+
+
+def _export(config: Config, state) -> None:
+  tokenizer = config.data.tokenizer if config.data.tokenizer.endswith(".json") else None
+  hf_export.save(state.params, config.model, config.train.export_hf, tokenizer=tokenizer)
+  if jax.process_index() == 0:
+    print(f"exported the final parameters to {config.train.export_hf}", flush=True)
 
 
 def _samples(config: Config, trainer, state, tokenizer, is_primary: bool) -> dict[str, str]:
