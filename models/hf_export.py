@@ -124,10 +124,25 @@ def _to_torch_layout(rows_in: int, dtype: np.dtype):
   return jax.jit(lambda block: (block.reshape(rows_in, -1).T if rows_in else block).astype(dtype))
 
 
+# Files of a Hugging Face folder besides the weights, config.json and tokenizer.json that its users rely
+# on (special tokens, chat template, generation defaults): copied from the folder a run started from.
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
+
+
+def companions(folder: str | pathlib.Path) -> list[pathlib.Path]:
+  """The COMPANION_FILES present in `folder`."""
+  return [pathlib.Path(folder) / name for name in COMPANION_FILES if (pathlib.Path(folder) / name).is_file()]
+
+
 def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str = "bfloat16",
-         tokenizer: str | pathlib.Path | None = None, max_shard_bytes: int = 4 << 30) -> pathlib.Path:
+         tokenizer: str | pathlib.Path | None = None, base_config: dict | None = None,
+         extra_files: tuple[pathlib.Path, ...] | list[pathlib.Path] = (), max_shard_bytes: int = 4 << 30
+         ) -> pathlib.Path:
   """Writes the Hugging Face folder of `params` (the model's nnx.Param tree, placed on any mesh) at
-  `folder` (module docstring). Every process calls it; returns the folder."""
+  `folder` (module docstring). `base_config`: the config.json of the folder the run started from; its
+  other fields (token ids, ...) are kept, those of `hf_config` replace theirs. `extra_files` are copied
+  in (`companions`). Every process calls it; returns the folder."""
   if dtype not in DTYPES:
     raise CheckpointError(f"export dtype {dtype!r}: one of {', '.join(DTYPES)}")
   folder = pathlib.Path(folder)
@@ -135,6 +150,11 @@ def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str =
     raise CheckpointError(f"{folder} exists: export writes a new folder and never overwrites one")
   np_dtype, tag = DTYPES[dtype]
   config = hf_config(model, dtype)
+  if base_config is not None:
+    if base_config.get("architectures") != config["architectures"]:
+      raise CheckpointError(f"the run started from a {base_config.get('architectures')} folder but its model "
+                            f"exports as {config['architectures']}")
+    config = {**base_config, **config}
   tensors = _tensors(params, config, model)
   shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, max_shard_bytes)
   stamp = multihost_utils.broadcast_one_to_all(np.int64(time.time_ns()))
@@ -164,6 +184,8 @@ def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str =
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
       shutil.copyfile(tokenizer, partial / "tokenizer.json")
+    for path in extra_files:
+      shutil.copyfile(path, partial / pathlib.Path(path).name)
     os.replace(partial, folder)  # the folder appears complete, or not at all
   multihost_utils.sync_global_devices("meshmoe: export done")
   return folder

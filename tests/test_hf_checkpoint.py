@@ -54,15 +54,28 @@ def _load(case: str, layout=((1, 1, 1, 1), "dp")):
   return nnx.merge(graphdef, params, others), config, plan, expected
 
 
-def _logits(model, plan, tokens) -> np.ndarray:
+def _logits_and_experts(model, plan, tokens, monkeypatch) -> tuple[np.ndarray, np.ndarray]:
+  """The model's logits and every MoE layer's chosen experts per token ([layers, B*S, K]), in sequence
+  order whatever order the plan's attention wants."""
+  chosen = []
+  original = expert_parallel.moe_ffn
+
+  def recording(x, experts_BSK, *args):
+    # Every MoE layer's choice, whole: the layer scan is a sequential loop, so the calls come in layer order
+    # (`ordered=True` is not allowed with more than one device; a wrong order fails the comparison).
+    jax.debug.callback(lambda e: chosen.append(np.asarray(e)), experts_BSK)
+    return original(x, experts_BSK, *args)
+
+  monkeypatch.setattr(expert_parallel, "moe_ffn", recording)
   tokens = jax.device_put(jnp.asarray(tokens), plan.batch_sharding())
   with use_plan(plan):
     permuted, _, _, positions = model_state.in_sequence_order(plan, tokens, tokens, jnp.ones(tokens.shape))
     logits, _ = nnx.jit(lambda m, t, p: m(t, p))(model, permuted, positions)
-  logits = np.asarray(logits)
+  logits, experts = np.asarray(logits), np.stack(chosen)
   if positions is not None:  # back into sequence order
-    logits = logits[:, np.argsort(np.asarray(positions[0]))]
-  return logits
+    order = np.argsort(np.asarray(positions[0]))
+    logits, experts = logits[:, order], experts[:, :, order]
+  return logits, experts.reshape(experts.shape[0], -1, experts.shape[-1])
 
 
 def _assert_logits_match(logits, expected):
@@ -74,25 +87,18 @@ def _assert_logits_match(logits, expected):
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_experts_match_transformers_on_one_device(case, monkeypatch):
   model, config, plan, expected = _load(case)
-  chosen = []
-  original = expert_parallel.moe_ffn
-
-  def recording(x, experts_BSK, *args):  # every MoE layer's choice, in layer order (the scan runs them so)
-    jax.debug.callback(lambda e: chosen.append(np.asarray(e)), experts_BSK, ordered=True)
-    return original(x, experts_BSK, *args)
-
-  monkeypatch.setattr(expert_parallel, "moe_ffn", recording)
-  logits = _logits(model, plan, expected["tokens"])
+  logits, experts = _logits_and_experts(model, plan, expected["tokens"], monkeypatch)
   _assert_logits_match(logits, expected["logits"])
-  experts = np.stack([c.reshape(-1, c.shape[-1]) for c in chosen])
   np.testing.assert_array_equal(experts, expected["experts"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda l: f"{l[1]}-{'x'.join(map(str, l[0]))}")
 @pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first"])
-def test_logits_match_transformers_on_mesh_layouts(case, layout):
+def test_logits_and_experts_match_transformers_on_mesh_layouts(case, layout, monkeypatch):
   model, config, plan, expected = _load(case, layout)
-  _assert_logits_match(_logits(model, plan, expected["tokens"]), expected["logits"])
+  logits, experts = _logits_and_experts(model, plan, expected["tokens"], monkeypatch)
+  _assert_logits_match(logits, expected["logits"])
+  np.testing.assert_array_equal(experts, expected["experts"])
 
 
 def test_config_maps_each_family(tmp_path):
@@ -271,6 +277,8 @@ def test_training_starts_from_the_checkpoint_and_resumes_its_own(tmp_path, capsy
   from meshmoe.training import trainer
   folder = _copy(tmp_path, "qwen3_moe_dense_first")
   _char_tokenizer(folder / "tokenizer.json")
+  _edit_config(folder, eos_token_id=3)  # what meshmoe does not use, the export keeps
+  (folder / "tokenizer_config.json").write_text('{"eos_token": "$"}')
   text = tmp_path / "corpus.txt"
   text.write_text("def f(x):\n  return x * 2\n" * 400)
   config = Config(mesh=MeshConfig(data=4, expert=2, preset="ep"),
@@ -296,7 +304,9 @@ def test_training_starts_from_the_checkpoint_and_resumes_its_own(tmp_path, capsy
     written.update(load_file(exported / shard))
   for name, tensor in original.items():
     np.testing.assert_array_equal(written[name], tensor, err_msg=name)
-  assert (exported / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    assert (exported / name).read_text() == (folder / name).read_text()
+  assert json.loads((exported / "config.json").read_text())["eos_token_id"] == 3
   # A second run in the same workdir resumes from its own checkpoint, not from the Hugging Face folder.
   trainer.train(dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2)), tmp_path / "run")
   out = capsys.readouterr().out

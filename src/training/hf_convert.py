@@ -16,7 +16,7 @@ from meshmoe.data import pipeline as data_lib
 from meshmoe.models import hf_checkpoint, hf_export
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
-from meshmoe.training import model_state, train_step
+from meshmoe.training import model_state, train_step, trainer
 from meshmoe.training.checkpointing import Checkpointer
 
 
@@ -51,16 +51,15 @@ def to_hf_folder(workdir: pathlib.Path, folder: pathlib.Path, dtype: str) -> int
     raise ConfigError("workdir", str(workdir), "a run's folder, holding the config.json experiments.train writes")
   config = from_dict(Config, json.loads(saved.read_text())).validate(jax.device_count())
   plan = ParallelPlan.build(config, make_mesh(config.mesh))
-  trainer, abstract = train_step.create_abstract(config, plan)
+  steps, abstract = train_step.create_abstract(config, plan)
   checkpointer = Checkpointer(workdir, config.checkpoint)
   try:
     restored = checkpointer.restore_latest(abstract)
     if restored is None:
       raise ConfigError("workdir", str(workdir), "a run's folder with at least one checkpoint")
-    model = nnx.merge(trainer.graphdef, restored.state.params, restored.state.others)
+    model = nnx.merge(steps.graphdef, restored.state.params, restored.state.others)
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    tokenizer = config.data.tokenizer if config.data.tokenizer.endswith(".json") else None
-    hf_export.save(params, config.model, folder, dtype=dtype, tokenizer=tokenizer)
+    hf_export.save(params, config.model, folder, dtype=dtype, **trainer.hf_export_options(config))
   finally:
     checkpointer.close()
   return restored.step
