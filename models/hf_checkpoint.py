@@ -68,8 +68,8 @@ def architecture(hf: dict) -> str:
 
 
 def model_config(hf: dict, **overrides) -> ModelConfig:
-  """The ModelConfig that computes what `transformers` computes for this config.json; `overrides` set
-  fields that do not change any parameter's shape (dtype, remat, capacity, router loss weights...)."""
+  """The ModelConfig that computes what `transformers` computes for this config.json; `overrides` set the
+  fields a run chooses for itself (`_RUN_FIELDS`: dtype, remat, capacity, router loss weights...)."""
   arch = architecture(hf)
   _refuse_unsupported(hf, arch)
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -94,12 +94,11 @@ def model_config(hf: dict, **overrides) -> ModelConfig:
   return _override(config, overrides)
 
 
-# What config.json decides: every parameter's shape and the function the model computes. Other model.*
-# fields (dtype, remat, logits chunking, capacity, router loss weights) are the run's.
-_SHAPE_FIELDS = {"vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                 "num_dense_layers", "qk_norm", "tie_embeddings", "rope_theta", "norm_eps", "max_seq_len"}
-_MOE_SHAPE_FIELDS = {"num_experts", "top_k", "expert_mlp_dim", "num_shared_experts", "score_fn",
-                     "normalize_top_k", "routed_scaling", "expert_bias"}
+# The model fields a run chooses for itself: how it computes, not what. Every other model field (every
+# parameter's shape and the function the model computes) comes from config.json, including fields added
+# to ModelConfig later, until they are listed here.
+_RUN_FIELDS = {"dtype", "remat", "logits_chunk_bytes", "init_std"}
+_RUN_MOE_FIELDS = {"capacity_factor", "aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"}
 
 
 def folder_of(init_from: str) -> pathlib.Path:
@@ -116,9 +115,8 @@ def with_checkpoint_model(config: Config) -> Config:
   if not config.train.init_from:
     return config
   folder = folder_of(config.train.init_from)
-  own = {name: getattr(config.model, name) for name in vars(config.model) if name not in _SHAPE_FIELDS | {"moe"}}
-  own["moe"] = {name: getattr(config.model.moe, name) for name in vars(config.model.moe)
-                if name not in _MOE_SHAPE_FIELDS}
+  own = {name: getattr(config.model, name) for name in _RUN_FIELDS}
+  own["moe"] = {name: getattr(config.model.moe, name) for name in _RUN_MOE_FIELDS}
   model = model_config(read_config(folder), **own)
   data = config.data
   if data.tokenizer == "byte" and (folder / "tokenizer.json").is_file():
@@ -129,13 +127,13 @@ def with_checkpoint_model(config: Config) -> Config:
 def _override(config: ModelConfig, overrides: dict) -> ModelConfig:
   moe_overrides = overrides.pop("moe", {}) or {}
   for name in overrides:
-    if name in _SHAPE_FIELDS or not hasattr(config, name):
+    if name not in _RUN_FIELDS:
       raise CheckpointError(f"model.{name} comes from config.json and cannot be overridden; allowed: "
-                            f"{', '.join(sorted(set(vars(config)) - _SHAPE_FIELDS - {'moe'}))}")
+                            f"{', '.join(sorted(_RUN_FIELDS))}")
   for name in moe_overrides:
-    if name in _MOE_SHAPE_FIELDS or not hasattr(config.moe, name):
+    if name not in _RUN_MOE_FIELDS:
       raise CheckpointError(f"model.moe.{name} comes from config.json and cannot be overridden; allowed: "
-                            f"{', '.join(sorted(set(vars(config.moe)) - _MOE_SHAPE_FIELDS))}")
+                            f"{', '.join(sorted(_RUN_MOE_FIELDS))}")
   return dataclasses.replace(config, **overrides, moe=dataclasses.replace(config.moe, **moe_overrides))
 
 

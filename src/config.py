@@ -186,9 +186,9 @@ class TrainConfig:
   peak_flops_per_device: float = 0.0
   profile_steps: str = ""  # "START:STOP" writes a jax.profiler trace of those steps to <workdir>/profile
   # "hf:<folder>": start from a Hugging Face checkpoint folder (config.json + *.safetensors; Mixtral,
-  # Qwen3-MoE; models/hf_checkpoint.py). The model's shape comes from its config.json (model.* fields that
-  # change no parameter's shape stay yours), the tokenizer from its tokenizer.json while data.tokenizer is
-  # "byte". A workdir that holds checkpoints resumes from them instead.
+  # Qwen3-MoE; models/hf_checkpoint.py). The model comes from its config.json (model.dtype, remat,
+  # logits_chunk_bytes and the MoE capacity and loss weights stay yours), the tokenizer from its
+  # tokenizer.json while data.tokenizer is "byte". A workdir that holds checkpoints resumes from them.
   init_from: str = ""
   # A folder that does not exist yet: at the end of training (not when preempted) the final parameters
   # are written there as a Hugging Face folder, bfloat16, with the tokenizer (models/hf_export.py; the

@@ -158,6 +158,21 @@ def test_shape_fields_cannot_be_overridden():
     hf_checkpoint.model_config(hf, moe={"top_k": 1})
 
 
+def test_a_run_keeps_only_how_it_computes_from_its_own_model_fields():
+  from meshmoe.config import ModelConfig, MoEConfig
+  folder = FIXTURES / "qwen3_moe_norm_topk"
+  mine = Config(model=ModelConfig(remat="full", dtype="bfloat16", qk_norm=False, num_layers=7,
+                                  moe=MoEConfig(num_experts=16, num_groups=4, top_k_groups=2, capacity_factor=1.5)),
+                train=TrainConfig(init_from=f"hf:{folder}"))
+  model = hf_checkpoint.with_checkpoint_model(mine).model
+  assert (model.remat, model.dtype, model.moe.capacity_factor) == ("full", "bfloat16", 1.5)
+  assert model == dataclasses.replace(
+      hf_checkpoint.model_config(hf_checkpoint.read_config(folder)), remat="full", dtype="bfloat16",
+      moe=dataclasses.replace(hf_checkpoint.model_config(hf_checkpoint.read_config(folder)).moe,
+                              capacity_factor=1.5))
+  assert (model.qk_norm, model.num_layers, model.moe.num_experts, model.moe.num_groups) == (True, 2, 8, 1)
+
+
 def _load_into_fresh_model(folder: pathlib.Path):
   hf = hf_checkpoint.read_config(folder)
   config = Config(model=hf_checkpoint.model_config(hf), mesh=MeshConfig(data=1, preset="dp"),
