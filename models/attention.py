@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from meshmoe.config import ModelConfig
-from meshmoe.models.layers import RMSNorm, param, rotate
+from meshmoe.models.layers import RMSNorm, Rope, param, rotate
 from meshmoe.sharding import context_parallel, tensor_parallel
 
 
@@ -22,7 +22,7 @@ class Attention(nnx.Module):
     self.key_DGH = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), std)
     self.value_DGH = param(rngs, (d, g, h), ("embed", "kv_heads", "head_dim"), std)
     self.out_NHD = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), std)
-    self.rope_theta = cfg.rope_theta
+    self.rope = Rope.of(cfg)
     self.query_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
     self.key_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -36,7 +36,7 @@ class Attention(nnx.Module):
         [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"), ("embed", "kv_heads", "head_dim")])
     if self.query_norm is not None:
       q_BSNH, k_BSGH = self.query_norm(q_BSNH), self.key_norm(k_BSGH)
-    q_BSNH = rotate(q_BSNH, positions_BS, self.rope_theta)
-    k_BSGH = rotate(k_BSGH, positions_BS, self.rope_theta)
+    q_BSNH = rotate(q_BSNH, positions_BS, self.rope)
+    k_BSGH = rotate(k_BSGH, positions_BS, self.rope)
     o_BSNH = context_parallel.attention(q_BSNH, k_BSGH, v_BSGH, positions_BS)
     return tensor_parallel.project_out(o_BSNH, self.out_NHD[...], ("heads", "head_dim", "embed"))

@@ -21,6 +21,7 @@ from meshmoe.config import ModelConfig, MoEConfig
 from meshmoe.models import output
 from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
+from meshmoe.models.mla import LatentAttention
 from meshmoe.models.moe import MoEBlock, MoEStats
 from meshmoe.models.router import update_expert_bias
 from meshmoe.sharding.shardings import constrain
@@ -32,7 +33,7 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dense: bool, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = LatentAttention(cfg, rngs=rngs) if cfg.attention == "mla" else Attention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     self.ffn = (SwiGLU(cfg.embed_dim, cfg.mlp_dim, std=cfg.init_std, rngs=rngs) if dense
                 else MoEBlock(cfg, rngs=rngs))

@@ -38,7 +38,7 @@ from flax import nnx
 
 from meshmoe.config import Config, ModelConfig, MoEConfig
 
-ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class CheckpointError(ValueError):
@@ -75,23 +75,53 @@ def model_config(hf: dict, **overrides) -> ModelConfig:
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
   head_dim = hf.get("head_dim") or d // heads
   layers = hf["num_hidden_layers"]
+  attention = {}
   if arch == "MixtralForCausalLM":
     moe = MoEConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                     expert_mlp_dim=hf["intermediate_size"], normalize_top_k=True)
     dense_layers, dense_width = 0, hf["intermediate_size"]
-  else:
+  elif arch == "Qwen3MoeForCausalLM":
     moe = MoEConfig(num_experts=_field(hf, "num_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
                     expert_mlp_dim=hf["moe_intermediate_size"], normalize_top_k=bool(hf.get("norm_topk_prob")))
     dense_layers, dense_width = len(hf.get("mlp_only_layers") or []), hf["intermediate_size"]
-  moe = dataclasses.replace(moe, score_fn="softmax", routed_scaling=1.0, expert_bias=False)
-  config = ModelConfig(
+    attention = dict(qk_norm=True)
+  else:  # DeepseekV3ForCausalLM
+    moe = MoEConfig(num_experts=_field(hf, "n_routed_experts", "num_local_experts"), top_k=hf["num_experts_per_tok"],
+                    expert_mlp_dim=hf["moe_intermediate_size"], num_shared_experts=hf.get("n_shared_experts") or 0,
+                    score_fn=hf.get("scoring_func", "sigmoid"), normalize_top_k=bool(hf.get("norm_topk_prob")),
+                    routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), expert_bias=True,
+                    num_groups=hf.get("n_group") or 1, top_k_groups=hf.get("topk_group") or 1)
+    dense_layers, dense_width = hf.get("first_k_dense_replace", 0), hf["intermediate_size"]
+    heads_kv = hf.get("num_key_value_heads") or heads
+    attention = dict(attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                     qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                     v_head_dim=hf["v_head_dim"], rope_interleave=bool(hf.get("rope_interleave", True)),
+                     num_kv_heads=heads_kv, head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"])
+    if moe.score_fn not in ("sigmoid", "softmax"):
+      raise CheckpointError(f"DeepseekV3ForCausalLM config.json has scoring_func={moe.score_fn!r}; meshmoe "
+                            "computes 'sigmoid' and 'softmax'")
+  if arch != "DeepseekV3ForCausalLM":
+    moe = dataclasses.replace(moe, score_fn="softmax", routed_scaling=1.0, expert_bias=False)
+  fields = dict(
       vocab_size=hf["vocab_size"], embed_dim=d, num_layers=layers, num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, mlp_dim=dense_width,
       num_dense_layers=dense_layers, max_seq_len=hf.get("max_position_embeddings", 4096),
       rope_theta=float(_rope(hf).get("rope_theta", 10_000.0)), norm_eps=float(hf["rms_norm_eps"]),
-      qk_norm=arch == "Qwen3MoeForCausalLM", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      moe=moe)
-  return _override(config, overrides)
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe, **_yarn(hf))
+  return _override(ModelConfig(**{**fields, **attention}), overrides)
+
+
+def _yarn(hf: dict) -> dict:
+  """ModelConfig's yarn_* fields from the rope settings (empty without YaRN). A missing mscale is 0, as
+  transformers reads it (falsy: cos and sin then scale by mscale(factor, 1))."""
+  rope = _rope(hf)
+  if rope.get("rope_type", rope.get("type", "default")) != "yarn":
+    return {}
+  original = rope.get("original_max_position_embeddings")
+  factor = rope.get("factor") or hf["max_position_embeddings"] / original
+  return dict(yarn_factor=float(factor), yarn_original_max_len=int(original),
+              yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+              yarn_mscale=float(rope.get("mscale") or 0.0), yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
 
 
 # The model fields a run chooses for itself: how it computes, not what. Every other model field (every
@@ -161,14 +191,25 @@ def _refuse_unsupported(hf: dict, arch: str) -> None:
   problems = []
   if hf.get("hidden_act", "silu") != "silu":
     problems.append(f"hidden_act={hf['hidden_act']!r} (meshmoe's experts are SwiGLU: 'silu')")
-  rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
-  if rope_type != "default":
-    problems.append(f"rope scaling {rope_type!r} (meshmoe applies plain RoPE)")
+  rope = _rope(hf)
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ("default", "yarn"):
+    problems.append(f"rope scaling {rope_type!r} (meshmoe applies plain RoPE or YaRN)")
+  if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate") is False):
+    problems.append("YaRN with attention_factor or truncate=false (meshmoe computes transformers' defaults)")
+  if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    problems.append(f"partial_rotary_factor={rope['partial_rotary_factor']}")
   if hf.get("attention_bias"):
     problems.append("attention_bias=true (meshmoe's projections have no bias)")
   if hf.get("sliding_window") and hf.get("use_sliding_window", arch == "MixtralForCausalLM"):
     if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
       problems.append(f"sliding_window={hf['sliding_window']} (meshmoe's attention is full causal)")
+  quantization = hf.get("quantization_config") or {}
+  if quantization and quantization.get("quant_method") != "fp8":
+    problems.append(f"quantization_config.quant_method={quantization.get('quant_method')!r} (meshmoe "
+                    "dequantizes 'fp8' block-scaled weights on load)")
+  if arch == "DeepseekV3ForCausalLM" and hf.get("topk_method", "noaux_tc") != "noaux_tc":
+    problems.append(f"topk_method={hf['topk_method']!r} (meshmoe routes as DeepSeek-V3: 'noaux_tc')")
   if arch == "Qwen3MoeForCausalLM":
     layers = hf["num_hidden_layers"]
     dense = sorted(hf.get("mlp_only_layers") or [])
@@ -209,6 +250,7 @@ class Shards:
                             f"{', '.join(missing)}")
     self.weight_map = weight_map
     self.bytes_read = 0  # tensor bytes read so far (each block once per process)
+    self.fp8_block = (128, 128)  # the tiles of FP8 weights' scales (config.json's quantization_config)
 
   def _shard(self, name: str) -> "_Shard":
     if name not in self._shards:
@@ -329,10 +371,14 @@ def sources(hf: dict, config: ModelConfig) -> dict[str, Source]:
         source, stacked=("layer", *source.stacked), layer_offset=first))
     put("['attn_norm']['scale']", Source(layer("input_layernorm.weight")))
     put("['ffn_norm']['scale']", Source(layer("post_attention_layernorm.weight")))
-    put("['attn']['query_DNH']", Source(layer("self_attn.q_proj.weight"), in_dims=(d,), out_dims=(n, h)))
-    put("['attn']['key_DGH']", Source(layer("self_attn.k_proj.weight"), in_dims=(d,), out_dims=(g, h)))
-    put("['attn']['value_DGH']", Source(layer("self_attn.v_proj.weight"), in_dims=(d,), out_dims=(g, h)))
-    put("['attn']['out_NHD']", Source(layer("self_attn.o_proj.weight"), in_dims=(n, h), out_dims=(d,)))
+    if config.attention == "mla":
+      for path, source in _latent_attention_sources(config, layer).items():
+        put(path, source)
+    else:
+      put("['attn']['query_DNH']", Source(layer("self_attn.q_proj.weight"), in_dims=(d,), out_dims=(n, h)))
+      put("['attn']['key_DGH']", Source(layer("self_attn.k_proj.weight"), in_dims=(d,), out_dims=(g, h)))
+      put("['attn']['value_DGH']", Source(layer("self_attn.v_proj.weight"), in_dims=(d,), out_dims=(g, h)))
+      put("['attn']['out_NHD']", Source(layer("self_attn.o_proj.weight"), in_dims=(n, h), out_dims=(d,)))
     if config.qk_norm:
       put("['attn']['query_norm']['scale']", Source(layer("self_attn.q_norm.weight")))
       put("['attn']['key_norm']['scale']", Source(layer("self_attn.k_norm.weight")))
@@ -353,6 +399,39 @@ def sources(hf: dict, config: ModelConfig) -> dict[str, Source]:
     put("['ffn']['gate_EDF']", Source(expert(gate), ("expert",), in_dims=(d,), out_dims=(f,)))
     put("['ffn']['up_EDF']", Source(expert(up), ("expert",), in_dims=(d,), out_dims=(f,)))
     put("['ffn']['down_EFD']", Source(expert(down), ("expert",), in_dims=(f,), out_dims=(d,)))
+    if config.moe.num_shared_experts:  # DeepSeek: one SwiGLU of n_shared_experts x the experts' width
+      w = config.moe.num_shared_experts * f
+      put("['ffn']['shared']['gate_DF']", Source(layer("mlp.shared_experts.gate_proj.weight"), in_dims=(d,),
+                                                  out_dims=(w,)))
+      put("['ffn']['shared']['up_DF']", Source(layer("mlp.shared_experts.up_proj.weight"), in_dims=(d,),
+                                                out_dims=(w,)))
+      put("['ffn']['shared']['down_FD']", Source(layer("mlp.shared_experts.down_proj.weight"), in_dims=(w,),
+                                                  out_dims=(d,)))
+    if config.moe.expert_bias:  # DeepSeek's selection bias: a variable, not a parameter
+      put("['ffn']['router']['bias_E']", Source(layer("mlp.gate.e_score_correction_bias")))
+  return out
+
+
+def _latent_attention_sources(config: ModelConfig, layer: Callable) -> dict[str, Source]:
+  """DeepSeek's MLA tensors (models/mla.py's parameters)."""
+  d, n = config.embed_dim, config.num_heads
+  nope, rope, value = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+  latent, rank = config.kv_lora_rank, config.q_lora_rank
+  out = {
+      "['attn']['kv_down_DC']": Source(layer("self_attn.kv_a_proj_with_mqa.weight"), in_dims=(d,),
+                                       out_dims=(latent + rope,)),
+      "['attn']['kv_norm']['scale']": Source(layer("self_attn.kv_a_layernorm.weight")),
+      "['attn']['kv_up_CNH']": Source(layer("self_attn.kv_b_proj.weight"), in_dims=(latent,),
+                                      out_dims=(n, nope + value)),
+      "['attn']['out_NHD']": Source(layer("self_attn.o_proj.weight"), in_dims=(n, value), out_dims=(d,)),
+  }
+  if rank:
+    out["['attn']['query_down_DR']"] = Source(layer("self_attn.q_a_proj.weight"), in_dims=(d,), out_dims=(rank,))
+    out["['attn']['query_norm']['scale']"] = Source(layer("self_attn.q_a_layernorm.weight"))
+    out["['attn']['query_up_RNH']"] = Source(layer("self_attn.q_b_proj.weight"), in_dims=(rank,),
+                                             out_dims=(n, nope + rope))
+  else:
+    out["['attn']['query_DNH']"] = Source(layer("self_attn.q_proj.weight"), in_dims=(d,), out_dims=(n, nope + rope))
   return out
 
 
@@ -381,9 +460,33 @@ def _read_block(shards: Shards, name: str, source: Source, trailing: tuple[int, 
     inner_index = tuple(slice(*_bounds(i, s)) for i, s in zip(side_index[1:], dims[1:]))
     sides.append((slice(outer_lo * inner, outer_hi * inner), (outer_hi - outer_lo, *dims[1:]), inner_index))
   (in_rows, in_shape, in_inner), (out_rows, out_shape, out_inner) = sides
-  block = np.asarray(tensor[out_rows, in_rows]).T  # [in, out]
+  block = np.asarray(tensor[out_rows, in_rows])  # [out, in]
+  if tensor.dtype in FP8_DTYPES:
+    block = _dequantize(shards, name, block, out_rows, in_rows)
+  block = block.T  # [in, out]
   block = block.reshape(*in_shape, *out_shape)
   return block[(slice(None), *in_inner, slice(None), *out_inner)]
+
+
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
+
+def _dequantize(shards: Shards, name: str, block: np.ndarray, rows: slice, columns: slice) -> np.ndarray:
+  """An FP8 block times its scales: DeepSeek's checkpoints store each FP8 weight `X` with `X_scale_inv`,
+  one float32 per `shards.fp8_block` (128 x 128) tile; the weight is their product."""
+  scales = shards.tensor(name + "_scale_inv") if name + "_scale_inv" in shards.weight_map else None
+  if scales is None:
+    raise CheckpointError(f"tensor {name!r} is FP8 but the checkpoint has no {name + '_scale_inv'!r} (its scales)")
+  tile_rows, tile_columns = shards.fp8_block
+  grid = scales[:, :].astype(np.float32)
+  total_rows, total_columns = shards.tensor(name).get_shape()
+  expected = (-(-total_rows // tile_rows), -(-total_columns // tile_columns))
+  if grid.shape != expected:
+    raise CheckpointError(f"tensor {name + '_scale_inv'!r} has shape {grid.shape}; {name!r} in "
+                          f"{tile_rows} x {tile_columns} tiles needs {expected}")
+  row_tile = np.arange(rows.start, rows.stop) // tile_rows
+  column_tile = np.arange(columns.start, columns.stop) // tile_columns
+  return block.astype(np.float32) * grid[row_tile][:, column_tile]
 
 
 @functools.cache
@@ -398,19 +501,24 @@ def _write_part(block: jax.Array, part: jax.Array, at: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice(block, part[(None,) * at.shape[0]], (*at, *([0] * part.ndim)))
 
 
-def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig, hf: dict | None = None,
-                report: dict | None = None):
-  """The parameters of the checkpoint at `folder`, placed like `abstract_params` (a tree of nnx Variables
-  holding jax.ShapeDtypeStruct with shardings, e.g. training.model_state.abstract_model_state's), each
+def load(folder: str | pathlib.Path, abstract_params, abstract_others, config: ModelConfig,
+         hf: dict | None = None, report: dict | None = None):
+  """(parameters, other variables) of the checkpoint at `folder`, placed like `abstract_params` and
+  `abstract_others` (trees of nnx Variables holding jax.ShapeDtypeStruct with shardings, as
+  training.model_state.abstract_model_state gives them; the others are DeepSeek's selection biases), each
   device's block read on its own (module docstring). `report`, if given, gets "bytes_read": the tensor
   bytes this process read."""
   hf = read_config(folder) if hf is None else hf
   table = sources(hf, config)
+  if hf.get("num_nextn_predict_layers") and jax.process_index() == 0:
+    print(f"note: {folder}'s multi-token-prediction layer (model.layers.{hf['num_hidden_layers']}.*) is not "
+          "loaded: meshmoe trains the next-token model", flush=True)
   shards = Shards(folder)
+  shards.fp8_block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", shards.fp8_block))
   expected = set(table)
   seen: set[str] = set()
 
-  def load(path, variable):
+  def load_variable(path, variable):
     key = jax.tree_util.keystr(path)
     if key not in table:
       raise CheckpointError(f"meshmoe parameter {key} has no Hugging Face tensor (internal: no mapping)")
@@ -458,12 +566,14 @@ def load_params(folder: str | pathlib.Path, abstract_params, config: ModelConfig
         shape, spec.sharding, [arrays[d] for d in spec.sharding.addressable_devices_indices_map(shape)])
     return variable.replace(array)
 
+  is_variable = lambda x: isinstance(x, nnx.Variable)
   try:
-    params = jax.tree_util.tree_map_with_path(load, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    params = jax.tree_util.tree_map_with_path(load_variable, abstract_params, is_leaf=is_variable)
+    others = jax.tree_util.tree_map_with_path(load_variable, abstract_others, is_leaf=is_variable)
   finally:
     shards.close()
     if report is not None:
       report["bytes_read"] = shards.bytes_read
   if expected - seen:
     raise CheckpointError(f"the model has no parameters for {sorted(expected - seen)} (internal: mapping)")
-  return params
+  return params, others

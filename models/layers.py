@@ -9,10 +9,13 @@ Shape suffixes used across meshmoe.models:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshmoe.sharding import tensor_parallel
@@ -49,14 +52,66 @@ class Embed(nnx.Module):
     return jnp.einsum("bsd,vd->bsv", x_BSD, self.table_VD[...].astype(x_BSD.dtype))
 
 
-def rotate(x_BSNH: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding (rotate-half convention) applied to the last dimension."""
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary position embedding settings (ModelConfig's rope_theta, rope_interleave and yarn_* fields)."""
+
+  theta: float
+  interleave: bool = False
+  yarn_factor: float = 1.0
+  yarn_original_max_len: int = 4096
+  yarn_beta_fast: float = 32.0
+  yarn_beta_slow: float = 1.0
+  yarn_mscale: float = 1.0
+  yarn_mscale_all_dim: float = 0.0
+
+  @classmethod
+  def of(cls, cfg) -> "Rope":
+    return cls(cfg.rope_theta, cfg.rope_interleave, cfg.yarn_factor, cfg.yarn_original_max_len, cfg.yarn_beta_fast,
+               cfg.yarn_beta_slow, cfg.yarn_mscale, cfg.yarn_mscale_all_dim)
+
+  def inv_freq(self, dim: int) -> jax.Array:
+    """The rotation frequency of each of the dim/2 pairs. With YaRN, interpolated (divided by the factor)
+    below beta_slow rotations over the original length, kept above beta_fast, linearly ramped between,
+    as transformers' _compute_yarn_parameters computes them (float32)."""
+    half = dim // 2
+    if self.yarn_factor <= 1:
+      return self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    extrapolated = 1.0 / (np.float32(self.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    interpolated = extrapolated / np.float32(self.yarn_factor)
+    rotations_at = lambda n: dim * math.log(self.yarn_original_max_len / (n * 2 * math.pi)) / (2 * math.log(self.theta))
+    low = max(math.floor(rotations_at(self.yarn_beta_fast)), 0)
+    high = min(math.ceil(rotations_at(self.yarn_beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(half, dtype=np.float32) - low) / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp
+    return jnp.asarray(interpolated * (1 - keep) + extrapolated * keep, jnp.float32)
+
+  def _mscale(self, m: float) -> float:
+    return 1.0 if self.yarn_factor <= 1 else 0.1 * m * math.log(self.yarn_factor) + 1.0
+
+  def rotation_scale(self) -> float:
+    """YaRN's factor on cos and sin (1 without YaRN)."""
+    if self.yarn_mscale and self.yarn_mscale_all_dim:
+      return self._mscale(self.yarn_mscale) / self._mscale(self.yarn_mscale_all_dim)
+    return self._mscale(1.0)
+
+  def score_scale(self) -> float:
+    """YaRN's factor on the attention scores (1 without YaRN or without yarn_mscale_all_dim)."""
+    return self._mscale(self.yarn_mscale_all_dim) ** 2 if self.yarn_mscale_all_dim else 1.0
+
+
+def rotate(x_BSNH: jax.Array, positions_BS: jax.Array, rope: Rope | float) -> jax.Array:
+  """Rotary position embedding applied to the last dimension: its two halves rotated pairwise, or with
+  `rope.interleave` its even and odd entries (the result then holds the rotated evens, then the odds: a
+  fixed permutation of the dimension, the same for queries and keys, so their products are those of the
+  interleaved rotation)."""
+  rope = rope if isinstance(rope, Rope) else Rope(rope)
   half = x_BSNH.shape[-1] // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles_BSH = positions_BS[..., None].astype(jnp.float32) * inv_freq
-  sin, cos = jnp.sin(angles_BSH)[:, :, None, :], jnp.cos(angles_BSH)[:, :, None, :]
+  angles_BSH = positions_BS[..., None].astype(jnp.float32) * rope.inv_freq(x_BSNH.shape[-1])
+  scale = rope.rotation_scale()
+  sin, cos = (scale * f(angles_BSH)[:, :, None, :] for f in (jnp.sin, jnp.cos))
   x = x_BSNH.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
+  x1, x2 = (x[..., 0::2], x[..., 1::2]) if rope.interleave else (x[..., :half], x[..., half:])
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
 
 

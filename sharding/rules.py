@@ -39,6 +39,7 @@ ALL_AXES = ("data", "expert", "tensor", "sequence")
 PRIORITY = (
     # parameters ("layers": the stacked dimension of a LayerStack; no preset splits it)
     "layers", "exp", "vocab", "heads", "kv_heads", "mlp", "exp_mlp", "embed", "head_dim", "norm",
+    "q_lora", "kv_lora",  # MLA's latent widths (models/mla.py); no preset splits them
     # activations
     "act_exp", "act_tokens", "act_batch", "act_attn_seq", "act_seq", "act_heads", "act_kv_heads", "act_mlp",
     "act_exp_mlp", "act_vocab", "act_embed", "act_head_dim",

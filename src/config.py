@@ -26,6 +26,7 @@ ATTENTION_KERNELS = ("auto", "einsum", "tokamax")
 XLA_FLAG_PRESETS = ("none", "overlap", "overlap_double_buffered", "overlap_windowed_einsum")
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
+ATTENTION_TYPES = ("gqa", "mla")
 GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
@@ -79,6 +80,28 @@ class ModelConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
   qk_norm: bool = False  # RMSNorm over head_dim on every query and key head before the rotation (Qwen3)
+  # "gqa": grouped-query attention (num_kv_heads key/value heads of head_dim). "mla": DeepSeek's multi-head
+  # latent attention (models/mla.py): queries through a rank-q_lora_rank bottleneck (0: a full
+  # projection), keys and values up-projected per head from one kv_lora_rank latent per token, heads of
+  # qk_nope_head_dim + qk_rope_head_dim (the rotary part, one per token shared by every head) for scores
+  # and v_head_dim for values; head_dim is unused and num_kv_heads must equal num_heads.
+  attention: str = "gqa"
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3), ... (DeepSeek) instead of the two halves
+  # YaRN rope scaling (DeepSeek-V3's long context; transformers' "yarn" rope_type), on when yarn_factor > 1:
+  # frequencies interpolated between beta_fast and beta_slow rotations over yarn_original_max_len
+  # positions, cos/sin scaled by mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim) and the
+  # scores by mscale(factor, yarn_mscale_all_dim)^2, mscale(f, m) = 0.1 m ln f + 1.
+  yarn_factor: float = 1.0
+  yarn_original_max_len: int = 4096
+  yarn_beta_fast: float = 32.0
+  yarn_beta_slow: float = 1.0
+  yarn_mscale: float = 1.0
+  yarn_mscale_all_dim: float = 0.0
   tie_embeddings: bool = True
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype; parameters are always float32
@@ -336,6 +359,28 @@ def _validate_model(m: ModelConfig) -> None:
   _check_choice("model.remat", m.remat, REMAT_POLICIES)
   _check_bool("model.tie_embeddings", m.tie_embeddings)
   _check_bool("model.qk_norm", m.qk_norm)
+  _check_choice("model.attention", m.attention, ATTENTION_TYPES)
+  _check_bool("model.rope_interleave", m.rope_interleave)
+  if m.attention == "mla":
+    _check_int("model.q_lora_rank", m.q_lora_rank, 0, "an integer >= 0 (0: no query bottleneck)")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+      _check_positive_int(f"model.{name}", getattr(m, name))
+    _check_positive_int("model.qk_rope_head_dim", m.qk_rope_head_dim)
+    if m.qk_rope_head_dim % 2:
+      raise ConfigError("model.qk_rope_head_dim", m.qk_rope_head_dim, "an even number (rotary embeddings "
+                        "rotate pairs)")
+    if m.num_kv_heads != m.num_heads:
+      raise ConfigError("model.num_kv_heads", m.num_kv_heads, f"model.num_heads={m.num_heads} with "
+                        "model.attention='mla' (every head has its own keys and values)")
+    if m.qk_norm:
+      raise ConfigError("model.qk_norm", m.qk_norm, "False with model.attention='mla'")
+  if not _is_number(m.yarn_factor) or not 1 <= m.yarn_factor < math.inf:
+    raise ConfigError("model.yarn_factor", m.yarn_factor, "a finite number >= 1 (1: no YaRN scaling)")
+  _check_positive_int("model.yarn_original_max_len", m.yarn_original_max_len)
+  _check_positive_float("model.yarn_beta_fast", m.yarn_beta_fast)
+  _check_positive_float("model.yarn_beta_slow", m.yarn_beta_slow)
+  _check_non_negative("model.yarn_mscale", m.yarn_mscale)
+  _check_non_negative("model.yarn_mscale_all_dim", m.yarn_mscale_all_dim)
   _check_int("model.logits_chunk_bytes", m.logits_chunk_bytes, 0,
              "0 (the logits whole) or a positive number of bytes of logits per chunk")
   if m.head_dim % 2:

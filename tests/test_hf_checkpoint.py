@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshmoe.config import Config, MeshConfig, TrainConfig
+from meshmoe.config import Config, MeshConfig, ParallelConfig, TrainConfig
 from meshmoe.models import hf_checkpoint
 from meshmoe.sharding import expert_parallel
 from meshmoe.sharding.shardings import use_plan
@@ -35,7 +35,7 @@ RTOL = 1e-4  # of the logits' scale (their largest magnitude)
 LAYOUTS = [((1, 1, 1, 1), "dp"), ((2, 4, 1, 1), "ep"), ((2, 2, 2, 1), "tp_sp"), ((2, 2, 1, 2), "megascale")]
 
 
-def _load(case: str, layout=((1, 1, 1, 1), "dp")):
+def _load(case: str, layout=((1, 1, 1, 1), "dp"), **parallel):
   folder = FIXTURES / case
   hf = hf_checkpoint.read_config(folder)
   (data, expert, tensor, sequence), preset = layout
@@ -43,20 +43,18 @@ def _load(case: str, layout=((1, 1, 1, 1), "dp")):
   batch, seq = expected["tokens"].shape
   config = Config(model=hf_checkpoint.model_config(hf),
                   mesh=MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset),
-                  train=TrainConfig(global_batch_size=batch, seq_len=seq))
+                  train=TrainConfig(global_batch_size=batch, seq_len=seq), parallel=ParallelConfig(**parallel))
   devices = jax.devices()[:data * expert * tensor * sequence]
   config.validate(len(devices))
   plan = plan_for(config, devices)
   graphdef, params, others = model_state.abstract_model_state(config, plan)
-  params = hf_checkpoint.load_params(folder, params, config.model, hf)
-  others = jax.tree.map(lambda v: v.replace(jnp.zeros(v.shape, v.dtype)), others,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  params, others = hf_checkpoint.load(folder, params, others, config.model, hf)
   return nnx.merge(graphdef, params, others), config, plan, expected
 
 
 def _logits_and_experts(model, plan, tokens, monkeypatch) -> tuple[np.ndarray, np.ndarray]:
-  """The model's logits and every MoE layer's chosen experts per token ([layers, B*S, K]), in sequence
-  order whatever order the plan's attention wants."""
+  """The model's logits and every MoE layer's chosen experts per token ([layers, B*S, K], sorted), in
+  sequence order whatever order the plan's attention wants."""
   chosen = []
   original = expert_parallel.moe_ffn
 
@@ -75,7 +73,8 @@ def _logits_and_experts(model, plan, tokens, monkeypatch) -> tuple[np.ndarray, n
   if positions is not None:  # back into sequence order
     order = np.argsort(np.asarray(positions[0]))
     logits, experts = logits[:, order], experts[:, :, order]
-  return logits, experts.reshape(experts.shape[0], -1, experts.shape[-1])
+  # The chosen sets (the fixtures store them sorted: transformers' DeepSeek router returns them unsorted).
+  return logits, np.sort(experts.reshape(experts.shape[0], -1, experts.shape[-1]), axis=-1)
 
 
 def _assert_logits_match(logits, expected):
@@ -93,9 +92,21 @@ def test_logits_and_experts_match_transformers_on_one_device(case, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda l: f"{l[1]}-{'x'.join(map(str, l[0]))}")
-@pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first"])
+@pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first", "deepseek_v3", "deepseek_v3_no_q_lora"])
 def test_logits_and_experts_match_transformers_on_mesh_layouts(case, layout, monkeypatch):
   model, config, plan, expected = _load(case, layout)
+  logits, experts = _logits_and_experts(model, plan, expected["tokens"], monkeypatch)
+  _assert_logits_match(logits, expected["logits"])
+  np.testing.assert_array_equal(experts, expected["experts"])
+
+
+@pytest.mark.parametrize("parallel", [dict(attention="ring"), dict(attention="ulysses"), dict(impl="xla")],
+                         ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
+def test_latent_attention_matches_transformers_with_each_attention_kind_and_tier(parallel, monkeypatch):
+  """MLA through ring and Ulysses context-parallel attention (sequence over 2 devices, heads over 2), and
+  the xla tier's chunked expert pipeline and ring projections."""
+  layout = ((2, 1, 2, 2), "tp_sp") if "attention" in parallel else ((2, 2, 2, 1), "tp_sp")
+  model, config, plan, expected = _load("deepseek_v3", layout, **parallel)
   logits, experts = _logits_and_experts(model, plan, expected["tokens"], monkeypatch)
   _assert_logits_match(logits, expected["logits"])
   np.testing.assert_array_equal(experts, expected["experts"])
@@ -178,8 +189,8 @@ def _load_into_fresh_model(folder: pathlib.Path):
   config = Config(model=hf_checkpoint.model_config(hf), mesh=MeshConfig(data=1, preset="dp"),
                   train=TrainConfig(global_batch_size=8, seq_len=16))
   plan = plan_for(config, jax.devices()[:1])
-  _, params, _ = model_state.abstract_model_state(config, plan)
-  return jax.block_until_ready(hf_checkpoint.load_params(folder, params, config.model, hf))
+  _, params, others = model_state.abstract_model_state(config, plan)
+  return jax.block_until_ready(hf_checkpoint.load(folder, params, others, config.model, hf)[0])
 
 
 def test_missing_tensor_is_named(tmp_path):

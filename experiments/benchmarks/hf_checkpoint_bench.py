@@ -81,10 +81,10 @@ def measure(folder: str, out: str) -> None:
   config = Config(model=hf_checkpoint.model_config(hf), mesh=MeshConfig(data=1, expert=8, preset="ep"),
                   train=TrainConfig(global_batch_size=8, seq_len=128))
   plan = ParallelPlan.build(config, make_mesh(config.mesh))
-  _, abstract, _ = model_state.abstract_model_state(config, plan)
+  _, abstract, abstract_others = model_state.abstract_model_state(config, plan)
   tracemalloc.start()
   start = time.perf_counter()
-  params = jax.block_until_ready(hf_checkpoint.load_params(folder, abstract, config.model, hf))
+  params, _ = jax.block_until_ready(hf_checkpoint.load(folder, abstract, abstract_others, config.model, hf))
   load_s = time.perf_counter() - start
   load_staging = tracemalloc.get_traced_memory()[1]
   tracemalloc.reset_peak()

@@ -33,7 +33,7 @@ def to_run_checkpoint(config: Config, folder: pathlib.Path, workdir: pathlib.Pat
                                           f"{checkpointer.latest_step()}); convert into a new workdir")
     plan = ParallelPlan.build(config, make_mesh(config.mesh))
     data = data_lib.build_data(config, train_step.process_rows(config, plan))
-    _, state = train_step.create(config, plan, model_state.checkpoint_params(config, plan))
+    _, state = train_step.create(config, plan, model_state.checkpoint_variables(config, plan))
     if jax.process_index() == 0:
       workdir.mkdir(parents=True, exist_ok=True)
       (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")

@@ -20,26 +20,23 @@ from meshmoe.models.decoder import Transformer
 from meshmoe.sharding.plan import ParallelPlan
 
 
-def init_model(config: Config, plan: ParallelPlan, params: Any = None) -> Transformer:
+def init_model(config: Config, plan: ParallelPlan, variables: tuple[Any, Any] | None = None) -> Transformer:
   """The model of `config`, initialised from `config.train.seed`, with parameters sharded as `plan` says;
-  with `params` (placed already, e.g. `checkpoint_params`), those parameters and fresh other variables."""
+  or with `variables` (parameters, other variables), placed already (`checkpoint_variables`)."""
   create = lambda: Transformer(config.model, rngs=nnx.Rngs(config.train.seed))
   abstract = nnx.eval_shape(create)
-  shardings = plan.param_shardings(nnx.state(abstract))
-  if params is None:
-    state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
+  if variables is None:
+    state = jax.jit(lambda: nnx.state(create()), out_shardings=plan.param_shardings(nnx.state(abstract)))()
     return nnx.merge(nnx.graphdef(abstract), state)
-  # Only the non-parameter variables are computed: XLA drops the random parameters nobody returns.
-  others = jax.jit(lambda: nnx.split(create(), nnx.Param, ...)[2], out_shardings=plan.replicated())()
-  return nnx.merge(nnx.graphdef(abstract), params, others)
+  return nnx.merge(nnx.graphdef(abstract), *variables)
 
 
-def checkpoint_params(config: Config, plan: ParallelPlan, report: dict | None = None) -> Any:
-  """The parameters of `config.train.init_from` (a Hugging Face folder), each device reading its blocks
-  (`report`: hf_checkpoint.load_params')."""
-  _, params, _ = abstract_model_state(config, plan)
+def checkpoint_variables(config: Config, plan: ParallelPlan, report: dict | None = None) -> tuple[Any, Any]:
+  """(parameters, other variables) of `config.train.init_from` (a Hugging Face folder), each device
+  reading its blocks (`report`: hf_checkpoint.load's)."""
+  _, params, others = abstract_model_state(config, plan)
   folder = hf_checkpoint.folder_of(config.train.init_from)
-  return hf_checkpoint.load_params(folder, params, config.model, report=report)
+  return hf_checkpoint.load(folder, params, others, config.model, report=report)
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, plan: ParallelPlan) -> Any:

@@ -61,10 +61,12 @@ class Trainer:
   state_shardings: Any
 
 
-def create(config: Config, plan: ParallelPlan, params: Any = None) -> tuple[Trainer, TrainState]:
-  """The initial state (sharded as `plan` says) and the jitted steps for `config`; `params`, placed as the
-  plan says, replace the random initial parameters (model_state.checkpoint_params)."""
-  model = init_model(config, plan, params)
+def create(config: Config, plan: ParallelPlan, variables: tuple[Any, Any] | None = None
+           ) -> tuple[Trainer, TrainState]:
+  """The initial state (sharded as `plan` says) and the jitted steps for `config`; `variables`
+  (parameters, other variables; model_state.checkpoint_variables), placed as the plan says, replace the
+  random initial ones."""
+  model = init_model(config, plan, variables)
   graphdef, params, others = nnx.split(model, nnx.Param, ...)
   optimizer = optimizer_lib.make_optimizer(config.optimizer, config.train.steps, params)
   opt_state = init_optimizer_state(optimizer, params, plan)

@@ -73,13 +73,13 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     print(plan.table(), flush=True)
   data = data_lib.build_data(config, train_step.process_rows(config, plan))
   checkpointer = Checkpointer(workdir, config.checkpoint)
-  params = None
+  variables = None
   if config.train.init_from and checkpointer.latest_step() is None:
     load_start, loaded = time.perf_counter(), {}
-    params = model_state.checkpoint_params(config, plan, loaded)
+    variables = model_state.checkpoint_variables(config, plan, loaded)
     print(f"parameters from {config.train.init_from[3:]} in {time.perf_counter() - load_start:.1f}s "
           f"({loaded['bytes_read'] / 1e6:,.3f} MB read by process {jax.process_index()})", flush=True)
-  trainer, state = train_step.create(config, plan, params)
+  trainer, state = train_step.create(config, plan, variables)
   restored = checkpointer.restore_latest(state)
   skipped_steps = 0
   if restored is not None:
