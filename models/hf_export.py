@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints out: a folder `transformers` loads, written tensor by tensor.
+"""Hugging Face checkpoints out (Mixtral, Qwen3-MoE, DeepSeek-V3): a folder `transformers` loads, written
+tensor by tensor.
 
 `save` writes `model-<i>-of-<n>.safetensors` shards (at most `max_shard_bytes` each, tensors in
 Hugging Face's order), `model.safetensors.index.json`, `config.json` (`hf_config`) and the tokenizer,
@@ -43,34 +44,55 @@ DTYPES = {"float32": (np.float32, "F32"), "bfloat16": (ml_dtypes.bfloat16, "BF16
 
 
 def hf_config(model: ModelConfig, dtype: str) -> dict:
-  """The config.json of `model` as a Mixtral (no QK-norm) or Qwen3-MoE (QK-norm) checkpoint; a model that
-  neither architecture computes is refused with the reason."""
+  """The config.json of `model` as a DeepSeek-V3 (MLA), Qwen3-MoE (QK-norm) or Mixtral (neither)
+  checkpoint; a model its family does not compute is refused with the reasons."""
   moe = model.moe
+  family = "DeepSeek-V3" if model.attention == "mla" else "Qwen3-MoE" if model.qk_norm else "Mixtral"
   problems = []
-  if moe.score_fn != "softmax" or moe.expert_bias or moe.routed_scaling != 1.0:
-    problems.append("routing must be softmax, without expert_bias or routed_scaling")
-  if moe.num_shared_experts:
-    problems.append(f"num_shared_experts={moe.num_shared_experts} (neither family has shared experts)")
-  qwen = model.qk_norm
-  if not qwen and (model.num_dense_layers or not moe.normalize_top_k):
-    problems.append("without qk_norm the model exports as Mixtral, which has no dense layers and always "
-                    "renormalises its top-k weights")
+  if family != "DeepSeek-V3":
+    if moe.score_fn != "softmax" or moe.expert_bias or moe.routed_scaling != 1.0 or moe.num_groups > 1:
+      problems.append("routing must be softmax, without expert_bias, routed_scaling or groups")
+    if moe.num_shared_experts:
+      problems.append(f"num_shared_experts={moe.num_shared_experts} (the family has no shared experts)")
+    if model.rope_interleave:
+      problems.append("rope_interleave=True (the family rotates halves)")
+  elif not moe.expert_bias:
+    problems.append("expert_bias=False (DeepSeek-V3's routing has a selection bias, e_score_correction_bias)")
+  if family == "Mixtral" and (model.num_dense_layers or not moe.normalize_top_k):
+    problems.append("Mixtral has no dense layers and always renormalises its top-k weights (a model without "
+                    "qk_norm or MLA exports as Mixtral)")
   if problems:
-    raise CheckpointError("this model is neither Mixtral nor Qwen3-MoE: " + "; ".join(problems))
-  common = {
+    raise CheckpointError(f"this model does not export as {family}: " + "; ".join(problems))
+  config = {
       "hidden_size": model.embed_dim, "num_hidden_layers": model.num_layers,
       "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
       "head_dim": model.head_dim, "vocab_size": model.vocab_size, "rms_norm_eps": model.norm_eps,
       "rope_theta": model.rope_theta, "max_position_embeddings": model.max_seq_len,
       "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu", "num_experts_per_tok": moe.top_k,
       "attention_bias": False, "torch_dtype": dtype, "dtype": dtype}
-  if qwen:
-    return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+  if model.yarn_factor > 1:
+    config["rope_scaling"] = {
+        "type": "yarn", "rope_type": "yarn", "factor": model.yarn_factor,
+        "original_max_position_embeddings": model.yarn_original_max_len, "beta_fast": model.yarn_beta_fast,
+        "beta_slow": model.yarn_beta_slow, "mscale": model.yarn_mscale, "mscale_all_dim": model.yarn_mscale_all_dim}
+  if family == "DeepSeek-V3":
+    return {**config, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "head_dim": model.qk_rope_head_dim, "q_lora_rank": model.q_lora_rank or None,
+            "kv_lora_rank": model.kv_lora_rank, "qk_nope_head_dim": model.qk_nope_head_dim,
+            "qk_rope_head_dim": model.qk_rope_head_dim, "v_head_dim": model.v_head_dim,
+            "rope_interleave": model.rope_interleave, "n_routed_experts": moe.num_experts,
+            "moe_intermediate_size": moe.expert_mlp_dim, "intermediate_size": model.mlp_dim,
+            "n_shared_experts": moe.num_shared_experts, "first_k_dense_replace": model.num_dense_layers,
+            "n_group": moe.num_groups, "topk_group": moe.top_k_groups, "routed_scaling_factor": moe.routed_scaling,
+            "norm_topk_prob": moe.normalize_top_k, "scoring_func": moe.score_fn, "topk_method": "noaux_tc",
+            "num_nextn_predict_layers": 0}
+  if family == "Qwen3-MoE":
+    return {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "num_experts": moe.num_experts, "moe_intermediate_size": moe.expert_mlp_dim,
             "intermediate_size": model.mlp_dim, "norm_topk_prob": moe.normalize_top_k,
             "mlp_only_layers": list(range(model.num_dense_layers)), "decoder_sparse_step": 1,
             "use_sliding_window": False, "sliding_window": None}
-  return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+  return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
           "num_local_experts": moe.num_experts, "intermediate_size": moe.expert_mlp_dim, "sliding_window": None}
 
 
@@ -83,11 +105,19 @@ class _Tensor:
   source: Source
 
 
-def _tensors(params, hf: dict, model: ModelConfig) -> list[_Tensor]:
+def _leaves(*trees) -> dict[str, jax.Array]:
+  """Each variable's array of the trees (parameters, other variables) by its path."""
+  leaves = {}
+  for tree in trees:
+    for path, variable in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+      leaves[jax.tree_util.keystr(path)] = variable.get_value()
+  return leaves
+
+
+def _tensors(leaves: dict[str, jax.Array], hf: dict, model: ModelConfig) -> list[_Tensor]:
   """Every Hugging Face tensor of the model, in layer order (embeddings first, the output layer last)."""
   table = hf_checkpoint.sources(hf, model)
-  shapes = {jax.tree_util.keystr(p): tuple(v.get_value().shape) for p, v in
-            jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+  shapes = {path: tuple(array.shape) for path, array in leaves.items()}
   found = []
   for leaf, source in table.items():
     shape = shapes[leaf]
@@ -135,12 +165,12 @@ def companions(folder: str | pathlib.Path) -> list[pathlib.Path]:
   return [pathlib.Path(folder) / name for name in COMPANION_FILES if (pathlib.Path(folder) / name).is_file()]
 
 
-def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str = "bfloat16",
+def save(params, model: ModelConfig, folder: str | pathlib.Path, *, others=None, dtype: str = "bfloat16",
          tokenizer: str | pathlib.Path | None = None, base_config: dict | None = None,
          extra_files: tuple[pathlib.Path, ...] | list[pathlib.Path] = (), max_shard_bytes: int = 4 << 30
          ) -> pathlib.Path:
-  """Writes the Hugging Face folder of `params` (the model's nnx.Param tree, placed on any mesh) at
-  `folder` (module docstring). `base_config`: the config.json of the folder the run started from; its
+  """Writes the Hugging Face folder of `params` (the model's nnx.Param tree, placed on any mesh; `others`,
+  its other variables: DeepSeek's selection biases) at `folder` (module docstring). `base_config`: the config.json of the folder the run started from; its
   other fields (token ids, ...) are kept, those of `hf_config` replace theirs. `extra_files` are copied
   in (`companions`). Every process calls it; returns the folder."""
   if dtype not in DTYPES:
@@ -155,7 +185,8 @@ def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str =
       raise CheckpointError(f"the run started from a {base_config.get('architectures')} folder but its model "
                             f"exports as {config['architectures']}")
     config = {**base_config, **config}
-  tensors = _tensors(params, config, model)
+  leaves = _leaves(params, {} if others is None else others)
+  tensors = _tensors(leaves, config, model)
   shards = _plan_shards(tensors, np.dtype(np_dtype).itemsize, max_shard_bytes)
   stamp = multihost_utils.broadcast_one_to_all(np.int64(time.time_ns()))
   partial = folder.with_name(f"{folder.name}.partial-{int(stamp)}")
@@ -163,8 +194,6 @@ def save(params, model: ModelConfig, folder: str | pathlib.Path, *, dtype: str =
   if primary:
     partial.mkdir(parents=True)
   multihost_utils.sync_global_devices("meshmoe: export folder made")
-  leaves = {jax.tree_util.keystr(p): v.get_value() for p, v in
-            jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
   weight_map = {}
   for i, shard in enumerate(shards):
     name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

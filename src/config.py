@@ -361,14 +361,13 @@ def _validate_model(m: ModelConfig) -> None:
   _check_bool("model.qk_norm", m.qk_norm)
   _check_choice("model.attention", m.attention, ATTENTION_TYPES)
   _check_bool("model.rope_interleave", m.rope_interleave)
+  _check_int("model.q_lora_rank", m.q_lora_rank, 0, "an integer >= 0 (0: no query bottleneck)")
+  for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "qk_rope_head_dim"):
+    _check_positive_int(f"model.{name}", getattr(m, name))
+  if m.qk_rope_head_dim % 2:
+    raise ConfigError("model.qk_rope_head_dim", m.qk_rope_head_dim, "an even number (rotary embeddings "
+                      "rotate pairs)")
   if m.attention == "mla":
-    _check_int("model.q_lora_rank", m.q_lora_rank, 0, "an integer >= 0 (0: no query bottleneck)")
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-      _check_positive_int(f"model.{name}", getattr(m, name))
-    _check_positive_int("model.qk_rope_head_dim", m.qk_rope_head_dim)
-    if m.qk_rope_head_dim % 2:
-      raise ConfigError("model.qk_rope_head_dim", m.qk_rope_head_dim, "an even number (rotary embeddings "
-                        "rotate pairs)")
     if m.num_kv_heads != m.num_heads:
       raise ConfigError("model.num_kv_heads", m.num_kv_heads, f"model.num_heads={m.num_heads} with "
                         "model.attention='mla' (every head has its own keys and values)")

@@ -61,27 +61,28 @@ def bool_bad():
   return st.integers() | st.floats() | st.text(max_size=5) | st.none()
 
 
-POSITIVE_INTS = ["model.vocab_size", "model.embed_dim", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+POSITIVE_INTS = ["model.kv_lora_rank", "model.qk_nope_head_dim", "model.v_head_dim", "model.yarn_original_max_len",
+                 "model.vocab_size", "model.embed_dim", "model.num_layers", "model.num_heads", "model.num_kv_heads",
                  "model.mlp_dim", "model.max_seq_len", "model.moe.num_experts", "model.moe.expert_mlp_dim",
                  "train.steps", "train.global_batch_size", "train.log_every", "train.eval_batches",
                  "checkpoint.keep", "parallel.moe_chunks", "resilience.max_consecutive_skips"]
-NON_NEGATIVE_INTS = ["model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
+NON_NEGATIVE_INTS = ["model.q_lora_rank", "model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
                      "optimizer.warmup_steps",
                      "train.eval_every", "checkpoint.every_steps", "sample.max_new_tokens",
                      "resilience.straggler_every_steps"]
-POSITIVE_FLOATS = ["model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
+POSITIVE_FLOATS = ["model.yarn_beta_fast", "model.yarn_beta_slow", "model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
                    "optimizer.learning_rate", "optimizer.eps", "resilience.watchdog_timeout_s"]
-NON_NEGATIVE_FLOATS = ["model.moe.aux_loss_weight", "model.moe.z_loss_weight", "model.moe.expert_bias_update_rate",
+NON_NEGATIVE_FLOATS = ["model.yarn_mscale", "model.yarn_mscale_all_dim", "model.moe.aux_loss_weight", "model.moe.z_loss_weight", "model.moe.expert_bias_update_rate",
                        "optimizer.weight_decay", "optimizer.grad_clip_norm", "train.peak_flops_per_device",
                        "sample.temperature"]
-CHOICES = {"model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
+CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
            "model.moe.score_fn": config_lib.SCORE_FNS, "parallel.grouped_gemm": config_lib.GROUPED_GEMMS,
            "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
            "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
-BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
+BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
          "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save"]
 
 BAD: dict[str, st.SearchStrategy] = {
@@ -92,6 +93,8 @@ BAD: dict[str, st.SearchStrategy] = {
     **{f: choice_bad(c) for f, c in CHOICES.items()},
     **{f: bool_bad() for f in BOOLS},
     **{f"mesh.{axis}": st.integers(max_value=-2) | st.just(0) | not_an_int for axis in config_lib.MESH_AXES},
+    "model.qk_rope_head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),
+    "model.yarn_factor": between_bad(1, math.inf, low_ok=True, high_ok=False),
     "model.head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),
     "model.num_dense_layers": st.integers(max_value=-1) | st.integers(min_value=10**4) | not_an_int,
     "model.moe.top_k": positive_int_bad() | st.integers(min_value=10**4),  # more than the experts

@@ -226,13 +226,14 @@ def test_truncated_shard_and_missing_folder_are_named(tmp_path):
 # --- export -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first"])
+@pytest.mark.parametrize("case", ["mixtral_top2", "qwen3_moe_dense_first", "deepseek_v3", "deepseek_v3_no_q_lora"])
 def test_export_writes_the_tensors_it_loaded_bitwise(case, tmp_path):
   from safetensors.numpy import load_file
   from meshmoe.models import hf_export
   model, config, plan, _ = _load(case, LAYOUTS[2])  # tensor- and expert-parallel: blocks on many devices
-  _, params, _ = nnx.split(model, nnx.Param, ...)
-  out = hf_export.save(params, config.model, tmp_path / "export", dtype="float32", max_shard_bytes=50_000)
+  _, params, others = nnx.split(model, nnx.Param, ...)
+  out = hf_export.save(params, config.model, tmp_path / "export", others=others, dtype="float32",
+                       max_shard_bytes=50_000)
   original = load_file(FIXTURES / case / "model.safetensors")
   index = json.loads((out / "model.safetensors.index.json").read_text())
   assert sorted(index["weight_map"]) == sorted(original)
@@ -273,7 +274,7 @@ def test_failed_export_leaves_no_complete_looking_folder(tmp_path, monkeypatch):
     hf_export.save(params, config.model, tmp_path / "taken")
 
 
-def test_models_neither_family_computes_are_not_exported():
+def test_models_their_family_does_not_compute_are_not_exported():
   from meshmoe.models import hf_export
   hf = hf_checkpoint.read_config(FIXTURES / "mixtral_top2")
   model = hf_checkpoint.model_config(hf)
@@ -281,7 +282,12 @@ def test_models_neither_family_computes_are_not_exported():
   shared = dataclasses.replace(model, moe=dataclasses.replace(model.moe, num_shared_experts=1))
   with pytest.raises(hf_checkpoint.CheckpointError, match="num_shared_experts=1"):
     hf_export.hf_config(shared, "bfloat16")
-  with pytest.raises(hf_checkpoint.CheckpointError, match="without qk_norm the model exports as Mixtral"):
+  deepseek = hf_checkpoint.model_config(hf_checkpoint.read_config(FIXTURES / "deepseek_v3"))
+  assert hf_export.hf_config(deepseek, "bfloat16")["architectures"] == ["DeepseekV3ForCausalLM"]
+  unbiased = dataclasses.replace(deepseek, moe=dataclasses.replace(deepseek.moe, expert_bias=False))
+  with pytest.raises(hf_checkpoint.CheckpointError, match="does not export as DeepSeek-V3: expert_bias=False"):
+    hf_export.hf_config(unbiased, "bfloat16")
+  with pytest.raises(hf_checkpoint.CheckpointError, match="does not export as Mixtral: Mixtral has no dense layers"):
     hf_export.hf_config(dataclasses.replace(model, num_dense_layers=1), "bfloat16")
 
 

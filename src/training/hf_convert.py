@@ -9,7 +9,6 @@ import json
 import pathlib
 
 import jax
-from flax import nnx
 
 from meshmoe.config import Config, ConfigError, from_dict
 from meshmoe.data import pipeline as data_lib
@@ -51,15 +50,14 @@ def to_hf_folder(workdir: pathlib.Path, folder: pathlib.Path, dtype: str) -> int
     raise ConfigError("workdir", str(workdir), "a run's folder, holding the config.json experiments.train writes")
   config = from_dict(Config, json.loads(saved.read_text())).validate(jax.device_count())
   plan = ParallelPlan.build(config, make_mesh(config.mesh))
-  steps, abstract = train_step.create_abstract(config, plan)
+  _, abstract = train_step.create_abstract(config, plan)
   checkpointer = Checkpointer(workdir, config.checkpoint)
   try:
     restored = checkpointer.restore_latest(abstract)
     if restored is None:
       raise ConfigError("workdir", str(workdir), "a run's folder with at least one checkpoint")
-    model = nnx.merge(steps.graphdef, restored.state.params, restored.state.others)
-    _, params, _ = nnx.split(model, nnx.Param, ...)
-    hf_export.save(params, config.model, folder, dtype=dtype, **trainer.hf_export_options(config))
+    hf_export.save(restored.state.params, config.model, folder, others=restored.state.others, dtype=dtype,
+                   **trainer.hf_export_options(config))
   finally:
     checkpointer.close()
   return restored.step

@@ -280,7 +280,8 @@ def _check_export(config: Config) -> None:
 
 
 def _export(config: Config, state) -> None:
-  hf_export.save(state.params, config.model, config.train.export_hf, **hf_export_options(config))
+  hf_export.save(state.params, config.model, config.train.export_hf, others=state.others,
+                 **hf_export_options(config))
   if jax.process_index() == 0:
     print(f"exported the final parameters to {config.train.export_hf}", flush=True)
 
