@@ -39,7 +39,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -449,15 +449,19 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
   residual = plan.activation_spec(_RESIDUAL)
   rows = (t.global_batch_size // t.grad_accum_steps // plan.axis_size(parallel.dim_axes(residual, 0))
           * (t.seq_len // plan.axis_size(parallel.dim_axes(residual, 1))))
-  ops: dict[str, OpChoice] = {"attention": plan.attention(dtype, m.head_dim)}
-  for block, weights_in, weight_out in projection_blocks(config):
-    tp_axes, gather = plan.projection_axes([names for names, _ in weights_in])
+  ops: dict[str, OpChoice] = {"attention": plan.attention(dtype, attention_width(m))}
+  for block in projection_blocks(config):
+    tp_axes, gather = plan.projection_axes([names for names, _, _ in block.weights_in])
     local = lambda names, width: width // plan.axis_size(parallel.all_axes(plan.weight_spec(names)))
-    in_width = sum(local(names, width) for names, width in weights_in)
-    ops[f"{block}.project_in"] = plan.project_in(gather, rows, m.embed_dim, in_width, dtype)
-    ops[f"{block}.project_out"] = plan.project_out(gather, rows, local(*weight_out), m.embed_dim, dtype)
+    in_width = sum(local(names, width) for names, width, _ in block.weights_in)
+    ops[f"{block.name}.project_in"] = plan.project_in(gather, rows, block.gathered, in_width, dtype)
+    directions = [(f"{block.name}.project_in", "input gradients")]
+    if block.weight_out:
+      ops[f"{block.name}.project_out"] = plan.project_out(gather, rows, local(*block.weight_out), m.embed_dim,
+                                                          dtype)
+      directions.append((f"{block.name}.project_out", "partial sums"))
     replicated = parallel.without(tp_axes, gather)
-    for name, what in ((f"{block}.project_in", "input gradients"), (f"{block}.project_out", "partial sums")):
+    for name, what in directions:
       if ops[name].implementation == "local":  # say what the matmuls need besides themselves
         reduced = plan.axis_size(replicated) > 1
         detail = f"{what} all-reduced over {_describe_axes(plan, replicated)}" if reduced else "no communication"
@@ -471,17 +475,74 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
   return ops
 
 
-def projection_blocks(config: Config) -> list[tuple[str, list, tuple]]:
-  """The model's tensor-parallel blocks: (name, in-projections as (logical names, global width), the
-  out-projection's (logical names, global contraction width))."""
+class Block(NamedTuple):
+  """One tensor-parallel block of every layer it is in: `project_in` of a [tokens, `gathered`] input by the
+  in-projections (logical names, global output width, input width), the per-device work, and `project_out`
+  by the out-projection (logical names, global contraction width; None when the block has none)."""
+
+  name: str
+  weights_in: list[tuple[tuple[str | None, ...], int, int]]
+  weight_out: tuple[tuple[str | None, ...], int] | None
+  gathered: int  # the width of what project_in gathers (the model width, or MLA's latents)
+  layers: int
+
+  @property
+  def flops_per_token(self) -> int:
+    """Multiply-adds x 2 of the block's projections for one token in one layer."""
+    out = self.weight_out[1] * self.weight_out_width if self.weight_out else 0
+    return 2 * (sum(width * in_width for _, width, in_width in self.weights_in) + out)
+
+  weight_out_width: int = 0  # the out-projection's output width (the model width)
+
+
+def attention_width(m) -> int:
+  """The head width attention's ops see: head_dim, or MLA's query/key width and value width, the narrower
+  padded to the wider (models/mla.py)."""
+  if m.attention == "mla":
+    return max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+  return m.head_dim
+
+
+def attention_weights(m) -> list[tuple[tuple[str | None, ...], int]]:
+  """(logical names, elements) of one layer's attention weights, by kind of split (q and o split alike)."""
+  d, n = m.embed_dim, m.num_heads
+  if m.attention != "mla":
+    return [(("embed", "heads", "head_dim"), d * n * m.head_dim * 2),
+            (("embed", "kv_heads", "head_dim"), d * m.num_kv_heads * m.head_dim * 2)]
+  qk, rank, latent = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank, m.kv_lora_rank
+  weights = [(("embed", "kv_lora"), d * (latent + m.qk_rope_head_dim)),
+             (("kv_lora", "heads", "head_dim"), latent * n * (m.qk_nope_head_dim + m.v_head_dim)),
+             (("heads", "head_dim", "embed"), n * m.v_head_dim * d)]
+  if rank:
+    return [(("embed", "q_lora"), d * rank), (("q_lora", "heads", "head_dim"), rank * n * qk), *weights]
+  return [(("embed", "heads", "head_dim"), d * n * qk), *weights]
+
+
+def projection_blocks(config: Config) -> list[Block]:
+  """The model's tensor-parallel blocks (Block)."""
   m, moe = config.model, config.model.moe
-  heads, kv_heads = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-  blocks = [("attention", [(heads, m.num_heads * m.head_dim), (kv_heads, m.num_kv_heads * m.head_dim),
-                           (kv_heads, m.num_kv_heads * m.head_dim)],
-             (("heads", "head_dim", "embed"), m.num_heads * m.head_dim))]
+  d, n = m.embed_dim, m.num_heads
+  num_moe = m.num_layers - m.num_dense_layers
+  if m.attention == "mla":
+    qk, latent, rank = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
+    down = [(("embed", "kv_lora"), latent + m.qk_rope_head_dim, d)]
+    query = [(("q_lora", "heads", "head_dim"), n * qk, rank)] if rank else [(("embed", "heads", "head_dim"), n * qk, d)]
+    if rank:
+      down.insert(0, (("embed", "q_lora"), rank, d))
+    blocks = [Block("attention_latent", down, None, d, m.num_layers),
+              Block("attention", query + [(("kv_lora", "heads", "head_dim"), n * (m.qk_nope_head_dim + m.v_head_dim),
+                                           latent)],
+                    (("heads", "head_dim", "embed"), n * m.v_head_dim), (rank or d) + latent, m.num_layers, d)]
+  else:
+    heads, kv_heads = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+    blocks = [Block("attention", [(heads, n * m.head_dim, d), (kv_heads, m.num_kv_heads * m.head_dim, d),
+                                  (kv_heads, m.num_kv_heads * m.head_dim, d)],
+                    (("heads", "head_dim", "embed"), n * m.head_dim), d, m.num_layers, d)]
   if m.num_dense_layers:
-    blocks.append(("dense_mlp", [(("embed", "mlp"), m.mlp_dim)] * 2, (("mlp", "embed"), m.mlp_dim)))
-  if moe.num_shared_experts and m.num_layers > m.num_dense_layers:
+    blocks.append(Block("dense_mlp", [(("embed", "mlp"), m.mlp_dim, d)] * 2, (("mlp", "embed"), m.mlp_dim), d,
+                        m.num_dense_layers, d))
+  if moe.num_shared_experts and num_moe:
     width = moe.num_shared_experts * moe.expert_mlp_dim
-    blocks.append(("shared_experts", [(("embed", "mlp"), width)] * 2, (("mlp", "embed"), width)))
+    blocks.append(Block("shared_experts", [(("embed", "mlp"), width, d)] * 2, (("mlp", "embed"), width), d,
+                        num_moe, d))
   return blocks

@@ -37,6 +37,20 @@ LAYOUTS = [  # (data, expert, tensor, sequence), preset, attention, remat, tier
     ((2, 2, 2, 1), "tp_sp", "allgather", "none", "pallas"),
 ]
 EXPLICIT_KINDS = ("all-to-all", "reduce-scatter", "collective-permute")
+# DeepSeek's multi-head latent attention (a query bottleneck, values wider than the rotary-padded scores).
+MLA_LAYOUTS = [
+    ((2, 2, 2, 1), "tp_sp", "allgather", "none", "reference"),
+    ((2, 2, 1, 2), "megascale", "ring", "full", "xla"),
+    ((8, 1, 1, 1), "fsdp", "allgather", "none", "reference"),
+    ((4, 1, 1, 2), "tp_sp", "ulysses", "none", "reference"),
+]
+
+
+def _latent_attention(config):
+  m = config.model
+  m.attention, m.num_kv_heads, m.q_lora_rank, m.kv_lora_rank = "mla", m.num_heads, 24, 16
+  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.rope_interleave = 16, 8, 32, True
+  return config.validate(8)
 
 
 def _config(sizes, preset, attention, remat, impl="reference"):
@@ -54,6 +68,13 @@ def _config(sizes, preset, attention, remat, impl="reference"):
                          ids=[f"{p}-{'x'.join(map(str, s))}-{a}-{r}-{i}" for s, p, a, r, i in LAYOUTS])
 def test_cost_model_matches_compiled_step(sizes, preset, attention, remat, impl):
   _check_against_compiled_step(_config(sizes, preset, attention, remat, impl))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,attention,remat,impl", MLA_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{a}-{r}-{i}" for s, p, a, r, i in MLA_LAYOUTS])
+def test_cost_model_matches_compiled_step_with_latent_attention(sizes, preset, attention, remat, impl):
+  _check_against_compiled_step(_latent_attention(_config(sizes, preset, attention, remat, impl)))
 
 
 ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]

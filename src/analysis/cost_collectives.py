@@ -28,7 +28,7 @@ from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
 from meshmoe.sharding import expert_parallel, moe_pipeline
-from meshmoe.sharding.plan import ParallelPlan, projection_blocks
+from meshmoe.sharding.plan import ParallelPlan, attention_weights, attention_width, projection_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +90,23 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   per_layer = {"attention": m.num_layers, "dense_mlp": m.num_dense_layers,
                "shared_experts": num_moe if moe.num_shared_experts else 0, "moe": num_moe,
                "gradients": 1}
+  blocks = projection_blocks(config)
+  per_layer.update({block.name: block.layers for block in blocks})
 
-  for block, weights_in, _ in projection_blocks(config):
-    tp_axes, gather = plan.projection_axes([names for names, _ in weights_in])
+  for block in blocks:
+    tp_axes, gather = plan.projection_axes([names for names, _, _ in block.weights_in])
     g = lay.size(gather)
-    for direction in ("project_in", "project_out"):
-      _projection(add, block, direction, plan.ops[f"{block}.{direction}"], g, residual,
-                  cost_kernels.projection_bytes(g, b_local * s_local, m.embed_dim, c))
+    gathered = residual * block.gathered // m.embed_dim  # what project_in gathers (MLA: the latents)
+    directions = {"project_in": (gathered, block.gathered)}
+    if block.weight_out:
+      directions["project_out"] = (residual, m.embed_dim)
+    for direction, (nbytes, width) in directions.items():
+      _projection(add, block.name, direction, plan.ops[f"{block.name}.{direction}"], g, nbytes,
+                  cost_kernels.projection_bytes(g, b_local * s_local, width, c))
     r = lay.size(tuple(a for a in tp_axes if a not in gather))
-    add(block, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
-    add(block, "all-reduce", r, residual, False)  # project_in's input gradient over the same axes
+    if block.weight_out:
+      add(block.name, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
+    add(block.name, "all-reduce", r, gathered, False)  # project_in's input gradient over the same axes
   _attention(lay, add, c, micro)
   if num_moe:
     _moe(lay, add, c, residual)
@@ -134,8 +141,9 @@ def _attention(lay: _Layout, add, c: int, micro: int) -> None:
   kv_heads = lay.act("act_kv_heads")[0]
   n = lay.size(seq)
   rows = micro // lay.size(batch) * t.seq_len // n
-  kv = rows * m.num_kv_heads // lay.size(kv_heads) * m.head_dim * c  # one of K or V, this device
-  q = rows * m.num_heads // lay.size(heads) * m.head_dim * c
+  width = attention_width(m)
+  kv = rows * m.num_kv_heads // lay.size(kv_heads) * width * c  # one of K or V, this device
+  q = rows * m.num_heads // lay.size(heads) * width * c
   positions = rows * 4
   implementation = lay.plan.ops["attention"].implementation
   if implementation == "allgather":
@@ -232,17 +240,17 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   m, moe, t = lay.config.model, lay.config.model.moe, lay.config.train
   c = jnp.dtype(m.dtype).itemsize
   num_moe = m.num_layers - m.num_dense_layers
-  d, h = m.embed_dim, m.head_dim
+  d = m.embed_dim
   # (logical names, number of elements, layers holding it, bytes per element, inside a parallel op)
   weights = [
-      (("embed", "heads", "head_dim"), d * m.num_heads * h * 2, m.num_layers, c, True),
-      (("embed", "kv_heads", "head_dim"), d * m.num_kv_heads * h * 2, m.num_layers, c, True),
+      *((names, elements, m.num_layers, c, True) for names, elements in attention_weights(m)),
       (("embed", "mlp"), d * m.mlp_dim * 3, m.num_dense_layers, c, True),
       (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, num_moe, c, True),
       (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, num_moe, c, True),
       (("embed", None), d * moe.num_experts, num_moe, 4, False),  # router, float32
       (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 1, 4, False),
       (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
+      (("norm",), (m.kv_lora_rank + m.q_lora_rank) * m.num_layers if m.attention == "mla" else 0, 1, 4, False),
   ]
   # Devices that differ only along axes the tokens are not split over (megascale's `tensor`) compute the
   # same gradient: the sum runs over the token axes that do not also split the weight.
@@ -279,13 +287,12 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
   m, moe, t = lay.config.model, lay.config.model.moe, lay.config.train
   c = jnp.dtype(m.dtype).itemsize
   num_moe = m.num_layers - m.num_dense_layers
-  d, h = m.embed_dim, m.head_dim
+  d = m.embed_dim
   layer = 1 + weights_regathered(lay.config, lay.plan, experts=False)  # gathers per micro-batch
   experts = 1 + weights_regathered(lay.config, lay.plan, experts=True)
   # (logical names, elements, bytes per element when used, gathers per micro-batch)
   weights = [
-      (("embed", "heads", "head_dim"), m.num_layers * d * m.num_heads * h * 2, c, layer),
-      (("embed", "kv_heads", "head_dim"), m.num_layers * d * m.num_kv_heads * h * 2, c, layer),
+      *((names, m.num_layers * elements, c, layer) for names, elements in attention_weights(m)),
       (("embed", "mlp"), m.num_dense_layers * d * m.mlp_dim * 3, c, layer),
       (("embed", "mlp"), num_moe * d * moe.num_shared_experts * moe.expert_mlp_dim * 3, c, layer),
       (("exp", "embed", "exp_mlp"), num_moe * moe.num_experts * d * moe.expert_mlp_dim * 3, c, experts),

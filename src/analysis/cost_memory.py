@@ -32,7 +32,7 @@ from meshmoe.config import Config
 from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
-from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.plan import ParallelPlan, attention_width
 from meshmoe.sharding.shardings import logical_axes_of
 
 
@@ -127,16 +127,19 @@ def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tup
   seq_split = _shards(plan, plan.activation_spec((None, "act_attn_seq")))
   heads_split = _shards(plan, plan.activation_spec((None, None, "act_heads")))
   rows = micro / batch_split * t.seq_len / seq_split
-  qkvo = rows * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) * c / heads_split
+  width = attention_width(m)
+  qkvo = rows * width * (2 * m.num_heads + 2 * m.num_kv_heads) * c / heads_split
+  if m.attention == "mla":  # and the latents the up-projections read (the gathered rows of each)
+    qkvo += rows * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) * c
   # Each query's scores over the whole sequence, twice: autodiff of the einsum blocks' softmax keeps the
   # exponentials and the normalised probabilities.
   probs = 2 * rows * m.num_heads / heads_split * t.seq_len * 4
   if plan.ops["attention"].kernel_backend in ("mosaic", "triton"):
     # A flash kernel keeps no scores: its output and float32 log-sum-exp statistics (max, denominator).
-    probs = rows * m.num_heads / heads_split * (m.head_dim * c + 2 * 4)
+    probs = rows * m.num_heads / heads_split * (width * c + 2 * 4)
   gathered_kv = 0.0
   if seq_split > 1 and plan.ops["attention"].implementation == "allgather":
-    gathered_kv = 2 * micro / batch_split * t.seq_len * m.num_kv_heads / heads_split * m.head_dim * c
+    gathered_kv = 2 * micro / batch_split * t.seq_len * m.num_kv_heads / heads_split * width * c
   return 2 * residual + qkvo + probs + gathered_kv, qkvo
 
 

@@ -23,7 +23,7 @@ import dataclasses
 from meshmoe.analysis import cost_collectives, cost_kernels, cost_memory
 from meshmoe.config import Config, ModelConfig
 from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
-from meshmoe.sharding.plan import ParallelPlan, projection_blocks
+from meshmoe.sharding.plan import ParallelPlan, attention_width, projection_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,21 +43,31 @@ class ForwardFlops:
 
 def forward_flops(cfg: ModelConfig, batch: int, seq_len: int) -> ForwardFlops:
   tokens = batch * seq_len
-  d, n, g, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  d, n = cfg.embed_dim, cfg.num_heads
   moe = cfg.moe
   num_moe = cfg.num_layers - cfg.num_dense_layers
   swiglu = lambda width: 2 * 3 * d * width  # gate, up and down matmuls per token
-  # Query i attends to i + 1 keys: sum over a sequence is S(S+1)/2; scores and values each 2*N*H per pair.
+  # Query i attends to i + 1 keys: sum over a sequence is S(S+1)/2; per pair, scores 2*N*H_qk and values
+  # 2*N*H_v (H_qk = H_v = head_dim but under MLA).
   causal_pairs = batch * seq_len * (seq_len + 1) / 2
+  qk, v = _score_widths(cfg)
+  attention = [b for b in projection_blocks(Config(model=cfg)) if b.name.startswith("attention")]
   return ForwardFlops(
-      attention_projections=cfg.num_layers * tokens * 2 * d * h * (2 * n + 2 * g),
-      attention_scores=cfg.num_layers * causal_pairs * 2 * 2 * n * h,
+      attention_projections=tokens * sum(b.layers * b.flops_per_token for b in attention),
+      attention_scores=cfg.num_layers * causal_pairs * 2 * n * (qk + v),
       router=num_moe * tokens * 2 * d * moe.num_experts,
       routed_experts=num_moe * tokens * moe.top_k * swiglu(moe.expert_mlp_dim),
       shared_experts=num_moe * tokens * swiglu(moe.num_shared_experts * moe.expert_mlp_dim),
       dense_mlp=cfg.num_dense_layers * tokens * swiglu(cfg.mlp_dim),
       logits=tokens * 2 * d * cfg.vocab_size,
   )
+
+
+def _score_widths(cfg: ModelConfig) -> tuple[int, int]:
+  """(query/key width, value width) of a head."""
+  if cfg.attention == "mla":
+    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+  return cfg.head_dim, cfg.head_dim
 
 
 def train_step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
@@ -69,7 +79,10 @@ def active_params(cfg: ModelConfig) -> dict[str, int]:
   """Parameter counts: total, and active per token (top-k of the routed experts)."""
   d, moe = cfg.embed_dim, cfg.moe
   norms = 2 * d + (2 * cfg.head_dim if cfg.qk_norm else 0)  # the layer's two norms; Qwen3's q and k norms
-  attn = d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + norms
+  if cfg.attention == "mla":  # the latents' norms
+    norms += cfg.kv_lora_rank + cfg.q_lora_rank
+  attention = [b for b in projection_blocks(Config(model=cfg)) if b.name.startswith("attention")]
+  attn = sum(b.flops_per_token // 2 for b in attention) + norms  # a weight is one multiply-add per token
   expert = 3 * d * moe.expert_mlp_dim
   num_moe = cfg.num_layers - cfg.num_dense_layers
   moe_common = d * moe.num_experts + moe.num_shared_experts * expert
@@ -90,14 +103,10 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   # Work done once per group of devices holding the same tokens is repeated on each of them.
   per_device["router"] = useful.router / split("act_batch", "act_seq")
   per_device["logits"] = useful.logits / split("act_batch", "act_seq", "act_vocab")
-  # A projection block's tokens (gathered over the axes that split its weights and the sequence) times
-  # its weights' share: under megascale a dense MLP, whose width no axis splits, runs whole on every
-  # `tensor` device for the same tokens.
-  for block, weights_in, _ in projection_blocks(config):
-    tp_axes, gathered = plan.projection_axes([names for names, _ in weights_in])
-    share = split("act_batch", "act_seq") // plan.axis_size(gathered) * plan.axis_size(tp_axes)
-    name = "attention_projections" if block == "attention" else block
-    per_device[name] = getattr(useful, name) / share
+  for name in ("attention_projections", "dense_mlp", "shared_experts"):
+    per_device[name] = 0.0
+  for block in projection_blocks(config):
+    per_device[_flops_part(block.name)] += _block_tokens(config, plan, block) * block.layers * block.flops_per_token
   n = plan.axis_size(plan.attention_axes())
   dense_scores = useful.attention_scores * t.seq_len / (t.seq_len + 1) * 2  # all S x S pairs
   attention = plan.ops["attention"]
@@ -107,7 +116,11 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
     # A flash kernel over the whole sequence skips the key blocks a query block cannot see: the causal
     # half, plus the diagonal blocks' masked half.
     computed = (t.seq_len + FLASH_BLOCK) / (2 * t.seq_len)
-  per_device["attention_scores"] = dense_scores * computed / plan.mesh.size
+  # Under MLA, values narrower than queries (or the other way) are padded to the wider: both products run
+  # at that width.
+  qk, v = _score_widths(m)
+  padded = 2 * attention_width(m) / (qk + v)
+  per_device["attention_scores"] = dense_scores * computed * padded / plan.mesh.size
   per_device["routed_experts"] = _expert_flops(config, plan)
   forward = ForwardFlops(**per_device)
   recompute = {"none": 0.0, "full": 1.0, "dots": 0.0}[m.remat]
@@ -177,14 +190,14 @@ def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = Fals
   executed = executed_flops_per_device(config, plan)
   recompute = 1.0 if config.model.remat == "full" else 0.0
   share = (2.0 + recompute) / (3.0 + recompute)
-  parts = {"attention": executed.attention_projections, "dense_mlp": executed.dense_mlp,
-           "shared_experts": executed.shared_experts}
   projections = 0.0
-  for block, weights_in, weight_out in projection_blocks(config):
-    widths = {"project_in": sum(width for _, width in weights_in), "project_out": weight_out[1]}
-    for direction, width in widths.items():
-      if cost_kernels.in_custom_calls(plan.ops.get(f"{block}.{direction}")):
-        projections += share * parts[block] * width / sum(widths.values())
+  for block in projection_blocks(config):
+    tokens = _block_tokens(config, plan, block)
+    flops = {"project_in": 2 * sum(width * in_width for _, width, in_width in block.weights_in),
+             "project_out": 2 * block.weight_out[1] * block.weight_out_width if block.weight_out else 0}
+    for direction, per_token in flops.items():
+      if per_token and cost_kernels.in_custom_calls(plan.ops.get(f"{block.name}.{direction}")):
+        projections += share * tokens * block.layers * per_token
   found = {"projections": projections, "attention": 0.0, "routed_experts": 0.0}
   if attention_in_kernels(plan.ops["attention"]):
     found["attention"] = executed.attention_scores
@@ -194,6 +207,21 @@ def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = Fals
     if worst_case:
       found["routed_experts"] *= _expert_flops(config, plan, worst_case=True) / _expert_flops(config, plan)
   return found
+
+
+def _block_tokens(config: Config, plan: ParallelPlan, block) -> float:
+  """Tokens one device runs a projection block's matmuls for: its share of the tokens, gathered over the
+  axes that split the weights and the sequence, times its weights' share (under megascale a dense MLP,
+  whose width no axis splits, runs whole on every `tensor` device for the same tokens)."""
+  t = config.train
+  split = plan.axis_size(parallel.all_axes(plan.activation_spec(("act_batch", "act_seq"))))
+  tp_axes, gathered = plan.projection_axes([names for names, _, _ in block.weights_in])
+  return t.global_batch_size * t.seq_len / (split // plan.axis_size(gathered) * plan.axis_size(tp_axes))
+
+
+def _flops_part(block: str) -> str:
+  """The ForwardFlops field of a projection block's FLOPs."""
+  return "attention_projections" if block.startswith("attention") else block
 
 
 def useful_expert_flops_per_device(config: Config, plan: ParallelPlan) -> float:
