@@ -12,27 +12,19 @@ blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the sa
 scores, top-8, the chosen eight renormalised and scaled by 2.5, with the aux-loss-free per-expert
 selection bias (expert_bias, update rate 1e-3 as in the paper's first 14.3T tokens) and a tiny balance
 loss (1e-4, the paper's alpha). Vocabulary 129280, untied embeddings, RMSNorm eps 1e-6, init std 0.006
-(the paper's), RoPE theta 1e4 and max_seq_len 4096, the pre-training length (the 32K/128K extension uses
-YaRN, which meshmoe does not have).
+(the paper's), RoPE theta 1e4 (interleaved pairs, as DeepSeek rotates) and max_seq_len 4096, the
+pre-training length (the 32K/128K extension adds YaRN: model.yarn_factor and the yarn_* fields).
 
-Attention: meshmoe has no multi-head latent attention (MLA), so this uses grouped-query attention with
-128 query heads of dimension 128 and 8 key-value heads. Per layer MLA has 187.1M weights (low-rank query
-7168->1536->128x192, joint key-value latent 7168->512+64 then 512->128x(128+128), output 128x128->7168)
-and does 187.1M multiply-adds per token in training plus attention scores over query/key dimension 192.
-  - 128 KV heads (plain MHA, 469.8M per layer) would match only the shape of MLA's up-projected keys and
-    values inside attention; it adds 17.2B parameters, all active: 688.3B total (+2.6%), 54.8B active
-    (+46% over the real 37.6B), 348 GFLOP per token of training (+39% over MLA's ~250), and its state
-    no longer fits an H100 at 512 devices (91 GB).
-  - 8 KV heads (249.6M per layer, the closest GQA with query width 128 x 128 that still splits over
-    tensor=8) adds 3.8B: 674.8B total (+0.6%), 41.4B active (+10% over the real 37.6B), 267 GFLOP per
-    token (+7%). Keys and values are 2048 values per token per layer against MLA's 576-value latent,
-    so sequence-parallel key/value traffic is in the same range too (MHA-128's would be 32768).
-  - 1 KV head (MQA) would be 0.8B closer still but could not be split over tensor at all.
+Attention: multi-head latent attention (model.attention="mla", models/mla.py), as the paper and the
+Hugging Face checkpoint have it: 128 heads; queries through a rank-1536 bottleneck, 7168->1536->128x192;
+keys and values from one 512-wide latent per token plus a 64-wide rotary key shared by the heads,
+7168->512+64, then 512->128x(128+128); output 128x128->7168. 187.1M weights per layer; scores over
+query/key width 192 (128 + 64 rotary), values of width 128 (padded to 192 inside attention, whose products
+then run at width 192: 25% more attention-score FLOPs than useful, counted as executed by the cost model).
 
-Parameters (meshmoe.analysis.cost_model.active_params): 674,836,083,712 total and 41,361,961,984 active per token
-(674.8B / 41.4B); published 671B / 37B. Replacing the 61 GQA blocks' weights by MLA's (3,809,679,360
-fewer) gives 671,026,404,352 / 37,552,282,624: the published 671B, and 1.5% over the published 37B.
-Not modelled either: the multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's
+Parameters (meshmoe.analysis.cost_model.active_params): 671,026,404,352 total and 37,552,282,624 active per
+token (671.0B / 37.6B); published 671B / 37B (+0.004% / +1.5%). Model FLOPs of a training step (cost_model.train_step_flops at seq_len 4096): 250 GFLOP per
+token. Not modelled: the multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's
 685B = 671B + 14B); the sequence-wise form of the balance loss (meshmoe's is over each micro-batch's
 tokens); FP8 training (bf16 here). Routing is the paper's node-limited one: each token's 8 experts come
 from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 selection biases are
@@ -41,13 +33,14 @@ ExpertBias variables, not parameters, and are not counted.
 Choices:
 - mesh: preset "tp_sp" with tensor=8 (within a node), expert=-1 (fills the devices: 8 at 64 devices, 64 at
   512 like DeepSeek's EP64, at most 256), data=1. Float32 parameter + gradient + two Adam moments are 16
-  bytes per parameter, 10.8 TB in all, more than 64 H100s hold (5.1 TB): 207 GB per device at 64 devices,
-  64 GB at 512. megascale cannot fit at any device count: it leaves the embeddings, dense layers and
+  bytes per parameter, 10.7 TB in all, more than 64 H100s hold (5.1 TB): about 210 GB per device at 64
+  devices and 68 GB at 512 (an estimate: the routed experts split over expert x tensor, the rest over
+  tensor but MLA's two down-projections, 0.9B, which no preset splits). megascale cannot fit at any device count: it leaves the embeddings, dense layers and
   shared experts (5.6B parameters, 90 GB of state) unsplit; tp_sp splits them over tensor. DeepSeek
   itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1, which meshmoe has not.
-- remat "full": memory is what binds; "dots" would also keep each layer's 16384-wide query projection,
-  keys, values, output projection and shared-expert GEMMs (~37K values per token per layer beside the
-  7168-wide input), and the routed expert GEMMs (ragged_dot) are recomputed under either policy.
+- remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
+  queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer
+  beside the 7168-wide input), and the routed expert GEMMs are recomputed under either policy.
 - train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
   from 3072 over the first 469B tokens, not modelled) in 60 micro-batches of 256, i.e. 4 sequences per
   expert rank at 512 devices. steps: 14.8T tokens / 62.9M = 235K.
@@ -64,8 +57,10 @@ from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, M
 def get_config() -> Config:
   return Config(
       model=ModelConfig(
-          vocab_size=129280, embed_dim=7168, num_layers=61, num_dense_layers=3, num_heads=128, num_kv_heads=8,
-          head_dim=128, mlp_dim=18432, max_seq_len=4096, rope_theta=1e4, norm_eps=1e-6, tie_embeddings=False,
+          vocab_size=129280, embed_dim=7168, num_layers=61, num_dense_layers=3, num_heads=128, num_kv_heads=128,
+          head_dim=192, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+          qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+          mlp_dim=18432, max_seq_len=4096, rope_theta=1e4, norm_eps=1e-6, tie_embeddings=False,
           init_std=0.006, dtype="bfloat16", remat="full",
           moe=MoEConfig(
               num_experts=256, top_k=8, expert_mlp_dim=2048, num_shared_experts=1, score_fn="sigmoid",
