@@ -450,6 +450,9 @@ def _read_block(shards: Shards, name: str, source: Source, trailing: tuple[int, 
   if tuple(tensor.get_shape()) != tuple(expected):
     raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}; config.json implies "
                           f"{tuple(expected)}")
+  if tensor.dtype not in WEIGHT_DTYPES:
+    raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype.name}; weights are float32, bfloat16, "
+                          "float16 or float64, or FP8 with block scales")
   if not source.in_dims:
     return np.asarray(tensor[tuple(slice(*_bounds(i, s)) for i, s in zip(index, trailing))])
   sides = []  # per side of the matrix: (rows to read of it, then the block inside them)
@@ -469,6 +472,8 @@ def _read_block(shards: Shards, name: str, source: Source, trailing: tuple[int, 
 
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+WEIGHT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
+                 *FP8_DTYPES)
 
 
 def _dequantize(shards: Shards, name: str, block: np.ndarray, rows: slice, columns: slice) -> np.ndarray:

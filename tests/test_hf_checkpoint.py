@@ -213,6 +213,29 @@ def test_wrong_shape_is_named(tmp_path):
     _load_into_fresh_model(folder)
 
 
+def test_wrong_dtype_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  folder = _copy(tmp_path)
+  tensors = load_file(folder / "model.safetensors")
+  tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+  save_file(tensors, folder / "model.safetensors")
+  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.norm.weight' has dtype int32; weights are"):
+    _load_into_fresh_model(folder)
+
+
+def test_fp8_weights_need_their_scales(tmp_path):
+  folder = _copy(tmp_path, "deepseek_v3_fp8")
+  shard = folder / "model.safetensors"
+  # Renamed in the header (same length, so the file stays valid): the weight has no scales any more.
+  data = shard.read_bytes()
+  scale = b"model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"
+  assert data.count(scale) == 1
+  shard.write_bytes(data.replace(scale, scale[:-1] + b"x"))
+  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.layers.1.mlp.experts.5.up_proj.weight' is FP8 "
+                                                          r"but the checkpoint has no"):
+    _load_into_fresh_model(folder)
+
+
 def test_truncated_shard_and_missing_folder_are_named(tmp_path):
   folder = _copy(tmp_path)
   data = (folder / "model.safetensors").read_bytes()
