@@ -43,6 +43,7 @@ MLA_LAYOUTS = [
     ((2, 2, 1, 2), "megascale", "ring", "full", "xla"),
     ((8, 1, 1, 1), "fsdp", "allgather", "none", "reference"),
     ((4, 1, 1, 2), "tp_sp", "ulysses", "none", "reference"),
+    ((2, 2, 2, 1), "tp_sp", "allgather", "none", "pallas"),
 ]
 
 

@@ -100,11 +100,13 @@ def test_logits_and_experts_match_transformers_on_mesh_layouts(case, layout, mon
   np.testing.assert_array_equal(experts, expected["experts"])
 
 
-@pytest.mark.parametrize("parallel", [dict(attention="ring"), dict(attention="ulysses"), dict(impl="xla")],
+@pytest.mark.parametrize("parallel", [dict(attention="ring"), dict(attention="ulysses"), dict(impl="xla"),
+                                      dict(impl="pallas", kernel_backend="collectives")],
                          ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
 def test_latent_attention_matches_transformers_with_each_attention_kind_and_tier(parallel, monkeypatch):
-  """MLA through ring and Ulysses context-parallel attention (sequence over 2 devices, heads over 2), and
-  the xla tier's chunked expert pipeline and ring projections."""
+  """MLA through ring and Ulysses context-parallel attention (sequence over 2 devices, heads over 2), the
+  xla tier's chunked expert pipeline and ring projections, and the pallas tier's fused kernels as their
+  plain-collective versions (the kernels themselves need Hopper GPUs)."""
   layout = ((2, 1, 2, 2), "tp_sp") if "attention" in parallel else ((2, 2, 2, 1), "tp_sp")
   model, config, plan, expected = _load("deepseek_v3", layout, **parallel)
   logits, experts = _logits_and_experts(model, plan, expected["tokens"], monkeypatch)
