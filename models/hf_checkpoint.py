@@ -121,7 +121,8 @@ def _yarn(hf: dict) -> dict:
   factor = rope.get("factor") or hf["max_position_embeddings"] / original
   return dict(yarn_factor=float(factor), yarn_original_max_len=int(original),
               yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
-              yarn_mscale=float(rope.get("mscale") or 0.0), yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+              yarn_mscale=float(rope.get("mscale") or 0.0),
+              yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
 
 
 # The model fields a run chooses for itself: how it computes, not what. Every other model field (every

@@ -170,9 +170,10 @@ def save(params, model: ModelConfig, folder: str | pathlib.Path, *, others=None,
          extra_files: tuple[pathlib.Path, ...] | list[pathlib.Path] = (), max_shard_bytes: int = 4 << 30
          ) -> pathlib.Path:
   """Writes the Hugging Face folder of `params` (the model's nnx.Param tree, placed on any mesh; `others`,
-  its other variables: DeepSeek's selection biases) at `folder` (module docstring). `base_config`: the config.json of the folder the run started from; its
-  other fields (token ids, ...) are kept, those of `hf_config` replace theirs. `extra_files` are copied
-  in (`companions`). Every process calls it; returns the folder."""
+  its other variables: DeepSeek's selection biases) at `folder` (module docstring). `base_config`: the
+  config.json of the folder the run started from; its other fields (token ids, ...) are kept, those of
+  `hf_config` replace theirs. `extra_files` are copied in (`companions`). Every process calls it; returns
+  the folder."""
   if dtype not in DTYPES:
     raise CheckpointError(f"export dtype {dtype!r}: one of {', '.join(DTYPES)}")
   folder = pathlib.Path(folder)

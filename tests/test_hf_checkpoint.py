@@ -201,7 +201,8 @@ def test_missing_tensor_is_named(tmp_path):
   tensors = load_file(folder / "model.safetensors")
   del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
   save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.layers.1.block_sparse_moe.experts.3.w2.weight' is not"):
+  with pytest.raises(hf_checkpoint.CheckpointError,
+                     match=r"'model.layers.1.block_sparse_moe.experts.3.w2.weight' is not"):
     _load_into_fresh_model(folder)
 
 
@@ -211,7 +212,8 @@ def test_wrong_shape_is_named(tmp_path):
   tensors = load_file(folder / "model.safetensors")
   tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:32]
   save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.layers.0.self_attn.q_proj.weight' has shape \(32, 64\)"):
+  with pytest.raises(hf_checkpoint.CheckpointError,
+                     match=r"'model.layers.0.self_attn.q_proj.weight' has shape \(32, 64\)"):
     _load_into_fresh_model(folder)
 
 

@@ -6,11 +6,11 @@ Writes synthetic Mixtral-layout checkpoints (bfloat16; d_model 1024, 8 experts o
 8 key-value heads of 128, vocabulary 32000) at each depth, then for each one, in a fresh process on 8
 simulated CPU devices (`ep` preset, expert=8): loads it (models/hf_checkpoint.py) and exports it
 (models/hf_export.py, bfloat16). Prints, per size: seconds and GB/s of checkpoint bytes for each, the
-process's peak resident memory, the bytes of the loaded parameters on all the devices together, and the peak of the host buffers the
-loader and the exporter allocate (numpy arrays, traced by `tracemalloc`; XLA's device buffers are not
-traced). On a CPU the "devices" are host memory, so the parameters (float32: twice the checkpoint) are
-resident, and stacking a parameter's layers on its device briefly holds two copies of that device's
-block; what must not grow with the checkpoint is the host buffers.
+process's peak resident memory, the bytes of the loaded parameters on all the devices together, and the
+peak of the host buffers the loader and the exporter allocate (numpy arrays, traced by `tracemalloc`;
+XLA's device buffers are not traced). On a CPU the "devices" are host memory, so the parameters (float32:
+twice the checkpoint; the replicated ones once per device) are resident; what must not grow with the
+checkpoint is the host buffers, and peak RSS minus the parameters.
 """
 
 import json

@@ -23,10 +23,11 @@ query/key width 192 (128 + 64 rotary), values of width 128 (padded to 192 inside
 then run at width 192: 25% more attention-score FLOPs than useful, counted as executed by the cost model).
 
 Parameters (meshmoe.analysis.cost_model.active_params): 671,026,404,352 total and 37,552,282,624 active per
-token (671.0B / 37.6B); published 671B / 37B (+0.004% / +1.5%). Model FLOPs of a training step (cost_model.train_step_flops at seq_len 4096): 250 GFLOP per
-token. Not modelled: the multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's
-685B = 671B + 14B); the sequence-wise form of the balance loss (meshmoe's is over each micro-batch's
-tokens); FP8 training (bf16 here). Routing is the paper's node-limited one: each token's 8 experts come
+token (671.0B / 37.6B); published 671B / 37B (+0.004% / +1.5%). Model FLOPs of a training step
+(cost_model.train_step_flops at seq_len 4096): 250 GFLOP per token. Not modelled: the
+multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's 685B = 671B + 14B);
+the sequence-wise form of the balance loss (meshmoe's is over each micro-batch's tokens); FP8 training
+(bf16 here). Routing is the paper's node-limited one: each token's 8 experts come
 from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 selection biases are
 ExpertBias variables, not parameters, and are not counted.
 
@@ -35,8 +36,9 @@ Choices:
   512 like DeepSeek's EP64, at most 256), data=1. Float32 parameter + gradient + two Adam moments are 16
   bytes per parameter, 10.7 TB in all, more than 64 H100s hold (5.1 TB): about 210 GB per device at 64
   devices and 68 GB at 512 (an estimate: the routed experts split over expert x tensor, the rest over
-  tensor but MLA's two down-projections, 0.9B, which no preset splits). megascale cannot fit at any device count: it leaves the embeddings, dense layers and
-  shared experts (5.6B parameters, 90 GB of state) unsplit; tp_sp splits them over tensor. DeepSeek
+  tensor but MLA's two down-projections, 0.9B, which no preset splits). megascale cannot fit at any
+  device count: it leaves the embeddings, dense layers and shared experts (5.6B parameters, 90 GB of
+  state) unsplit; tp_sp splits them over tensor. DeepSeek
   itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1, which meshmoe has not.
 - remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
   queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer

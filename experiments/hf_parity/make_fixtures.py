@@ -10,10 +10,10 @@ a Hugging Face folder (config.json + model.safetensors) under the output folder,
 `expected.npz`: the input tokens, `transformers`' float32 logits, and every MoE layer's chosen experts per
 token (sorted ids). DeepSeek-V3 is also written with FP8 weights and 16 x 16 block scales
 (`deepseek_v3_fp8`; its logits are those of the dequantised weights, as transformers' FP8 loading needs a
-GPU). tests/test_hf_checkpoint.py loads the folders with
-meshmoe and compares. Not run by CI (CI has no torch); rerun it when a case is added, and commit its
-output. Norm scales are drawn around 1 and weights with std 0.2 (transformers' default 0.02 would leave every logit near zero
-and routing near uniform, which would test little).
+GPU). tests/test_hf_checkpoint.py loads the folders with meshmoe and compares. Not run by CI (CI has no
+torch); rerun it when a case is added, and commit its output. Norm scales are drawn around 1 and weights
+with std 0.2 (transformers' default 0.02 would leave every logit near zero and routing near uniform,
+which would test little).
 """
 
 import json

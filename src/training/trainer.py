@@ -276,7 +276,7 @@ def _check_export(config: Config) -> None:
   if folder.exists():
     raise ConfigError("train.export_hf", config.train.export_hf, "a folder that does not exist yet (export "
                       "never overwrites one)")
-  hf_export.hf_config(config.model, "bfloat16")  # a model neither family computes fails here, not at the end
+  hf_export.hf_config(config.model, "bfloat16")  # a model its family does not compute fails here, not at the end
 
 
 def _export(config: Config, state) -> None:
