@@ -146,7 +146,9 @@ def _edit_config(folder: pathlib.Path, **changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     (dict(architectures=["LlamaForCausalLM"]), "meshmoe loads MixtralForCausalLM, Qwen3MoeForCausalLM"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn'"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope scaling 'longrope'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                        "attention_factor": 0.5}), "YaRN with attention_factor"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'linear'"),
     (dict(sliding_window=8), "sliding_window=8"),
 ])
