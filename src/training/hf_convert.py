@@ -15,7 +15,7 @@ from meshmoe.data import pipeline as data_lib
 from meshmoe.models import hf_checkpoint, hf_export
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
-from meshmoe.training import model_state, train_step, trainer
+from meshmoe.training import model_state, train_step
 from meshmoe.training.checkpointing import Checkpointer
 
 
@@ -57,7 +57,18 @@ def to_hf_folder(workdir: pathlib.Path, folder: pathlib.Path, dtype: str) -> int
     if restored is None:
       raise ConfigError("workdir", str(workdir), "a run's folder with at least one checkpoint")
     hf_export.save(restored.state.params, config.model, folder, others=restored.state.others, dtype=dtype,
-                   **trainer.hf_export_options(config))
+                   **export_options(config))
   finally:
     checkpointer.close()
   return restored.step
+
+
+def export_options(config: Config) -> dict:
+  """hf_export.save's tokenizer, base config and companion files for a run: the run's tokenizer.json, and
+  what the Hugging Face folder it started from (train.init_from) holds besides its weights."""
+  options = {"tokenizer": config.data.tokenizer if config.data.tokenizer.endswith(".json") else None}
+  if config.train.init_from:
+    folder = hf_checkpoint.folder_of(config.train.init_from)
+    if (folder / "config.json").is_file():  # the folder may be gone since the run started
+      options.update(base_config=hf_checkpoint.read_config(folder), extra_files=hf_export.companions(folder))
+  return options

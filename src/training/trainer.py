@@ -31,7 +31,7 @@ from meshmoe.models import hf_checkpoint, hf_export
 from meshmoe.runtime import nonfinite, resilience, stragglers
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
-from meshmoe.training import metrics as metrics_lib, model_state, report, sampling, train_step
+from meshmoe.training import hf_convert, metrics as metrics_lib, model_state, report, sampling, train_step
 from meshmoe.training.checkpointing import Checkpointer
 
 
@@ -260,17 +260,6 @@ def _train_record(metrics: dict, step_time: float, tokens_per_step: int, flops_p
   }
 
 
-def hf_export_options(config: Config) -> dict:
-  """hf_export.save's tokenizer, base config and companion files for a run: the run's tokenizer.json, and
-  what the Hugging Face folder it started from (train.init_from) holds besides its weights."""
-  options = {"tokenizer": config.data.tokenizer if config.data.tokenizer.endswith(".json") else None}
-  if config.train.init_from:
-    folder = hf_checkpoint.folder_of(config.train.init_from)
-    if (folder / "config.json").is_file():  # the folder may be gone since the run started
-      options.update(base_config=hf_checkpoint.read_config(folder), extra_files=hf_export.companions(folder))
-  return options
-
-
 def _check_export(config: Config) -> None:
   folder = pathlib.Path(config.train.export_hf)
   if folder.exists():
@@ -281,7 +270,7 @@ def _check_export(config: Config) -> None:
 
 def _export(config: Config, state) -> None:
   hf_export.save(state.params, config.model, config.train.export_hf, others=state.others,
-                 **hf_export_options(config))
+                 **hf_convert.export_options(config))
   if jax.process_index() == 0:
     print(f"exported the final parameters to {config.train.export_hf}", flush=True)
 
