@@ -197,35 +197,22 @@ def _load_into_fresh_model(folder: pathlib.Path):
   return jax.block_until_ready(hf_checkpoint.load(folder, params, others, config.model, hf)[0])
 
 
-def test_missing_tensor_is_named(tmp_path):
+Q_PROJ, EXPERT_W2 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    (EXPERT_W2, lambda t: None, rf"'{EXPERT_W2}' is not in the checkpoint"),
+    (Q_PROJ, lambda t: t[:32], rf"'{Q_PROJ}' has shape \(32, 64\)"),
+    ("model.norm.weight", lambda t: t.astype(np.int32), r"'model.norm.weight' has dtype int32; weights are"),
+], ids=["missing", "shape", "dtype"])
+def test_a_bad_tensor_is_named(tmp_path, name, edit, message):
+  """A tensor removed (edit gives None), cut to another shape or cast to an integer dtype."""
   from safetensors.numpy import load_file, save_file
   folder = _copy(tmp_path)
   tensors = load_file(folder / "model.safetensors")
-  del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
-  save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(hf_checkpoint.CheckpointError,
-                     match=r"'model.layers.1.block_sparse_moe.experts.3.w2.weight' is not"):
-    _load_into_fresh_model(folder)
-
-
-def test_wrong_shape_is_named(tmp_path):
-  from safetensors.numpy import load_file, save_file
-  folder = _copy(tmp_path)
-  tensors = load_file(folder / "model.safetensors")
-  tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:32]
-  save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(hf_checkpoint.CheckpointError,
-                     match=r"'model.layers.0.self_attn.q_proj.weight' has shape \(32, 64\)"):
-    _load_into_fresh_model(folder)
-
-
-def test_wrong_dtype_is_named(tmp_path):
-  from safetensors.numpy import load_file, save_file
-  folder = _copy(tmp_path)
-  tensors = load_file(folder / "model.safetensors")
-  tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
-  save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(hf_checkpoint.CheckpointError, match=r"'model.norm.weight' has dtype int32; weights are"):
+  tensors[name] = edit(tensors[name])
+  save_file({k: v for k, v in tensors.items() if v is not None}, folder / "model.safetensors")
+  with pytest.raises(hf_checkpoint.CheckpointError, match=message):
     _load_into_fresh_model(folder)
 
 
