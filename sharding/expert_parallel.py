@@ -15,6 +15,10 @@ them. Each device routes its own tokens, then per MoE layer:
 4. runs its experts' FFN over the received rows (grouped_ffn.grouped_ffn; padding rows give zeros);
 5. sends the outputs back the same way and combines them, weighted, into its tokens (fp32 accumulation).
 
+Steps 3 and 5 (and their backward) can travel in a lower precision than the activations (float8 with
+per-128-channel scales, or bfloat16; the plan's `dispatch_formats`/`combine_formats`): sharding/
+exchange_formats.py converts on both sides of the same exchanges.
+
 Dropless needs receive buffers for the worst case (ep*S rows); the grouped GEMMs compute only the rows
 routing sent (the CPU's blocked GEMM in blocks sized for balanced routing, A rows, plus overflow tiles;
 tokamax's GPU kernels only the tiles holding rows).
@@ -49,7 +53,7 @@ import jax.numpy as jnp
 from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import grouped_ffn, moe_pipeline, parallel
+from meshmoe.sharding import exchange_formats, grouped_ffn, moe_pipeline, parallel
 from meshmoe.sharding.grouped_ffn import Activation, ExpertWeights
 from meshmoe.sharding.plan import ExpertChoice, ExpertLayout, Hardware, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.shardings import current
@@ -113,9 +117,10 @@ def _all_to_all(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayou
   exchange = _EXCHANGES[choice.exchange]
   ep = lay.ep
   y_TD = moe_pipeline.pipelined(
-      functools.partial(_send, exchange=exchange, axes=lay.expert_axes, ep=ep, local_experts=w.num_experts),
+      functools.partial(_send, exchange=exchange, axes=lay.expert_axes, ep=ep, local_experts=w.num_experts,
+                        formats=choice.dispatch_formats),
       functools.partial(_compute, w=w, activation=activation, choice=choice),
-      functools.partial(_receive, exchange=exchange, axes=lay.expert_axes, ep=ep),
+      functools.partial(_receive, exchange=exchange, axes=lay.expert_axes, ep=ep, formats=choice.combine_formats),
       x_BSD.reshape(b * s, d), experts_BSK.reshape(b * s, k), weights_BSK.reshape(b * s, k), choice.chunks)
   return y_TD.reshape(b, s, d)
 
@@ -162,9 +167,10 @@ def peer_slot(num_tokens: int, top_k: int, local_experts: int) -> int:
 
 
 def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.Axes, ep: int,
-          local_experts: int) -> tuple[jax.Array, _Route]:
-  """Steps 1-3 for tokens x_TD: my assignments' rows, received by their experts' devices. Returns my
-  receive buffer (peer p's rows at [p*S, p*S + n_p), sorted by my local expert) and its route."""
+          local_experts: int, formats: tuple[str, str]) -> tuple[jax.Array, _Route]:
+  """Steps 1-3 for tokens x_TD: my assignments' rows, received by their experts' devices, travelling in
+  `formats` (forward, backward; exchange_formats.py). Returns my receive buffer (peer p's rows at
+  [p*S, p*S + n_p), sorted by my local expert) and its route."""
   num_tokens, k = experts_TK.shape
   num_assignments = num_tokens * k
   token_A = jnp.arange(num_assignments) // k
@@ -182,7 +188,14 @@ def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.A
   # 3. Tokens: rows [p*S, p*S + recv_P[p]) of the buffer come from peer p, sorted by my local expert.
   slot = peer_slot(num_tokens, k, local_experts)
   sent_AD = x_TD[token_A[order_A]]
-  received_RD = exchange.dispatch(sent_AD, peer_A, rank_A, send_P, recv_P, slot=slot, axes=axes, ep=ep)
+  moves = (peer_A, rank_A, send_P, recv_P)
+  to_experts = functools.partial(exchange.to_experts, slot=slot, axes=axes, ep=ep)
+  if exchange_formats.is_plain(*formats):
+    received_RD = to_experts(sent_AD, moves)
+  else:
+    received_RD = exchange_formats.move_rows(
+        exchange_formats.Movers(to_experts, functools.partial(exchange.to_senders, axes=axes, ep=ep)),
+        exchange_formats.Trip(*formats, sent_AD.dtype, sent_AD.dtype), sent_AD, moves)
   cumulative_PE = jnp.cumsum(recv_PE, axis=1)
   row_S = jnp.arange(slot)
   local_expert_PS = jax.vmap(lambda c: jnp.searchsorted(c, row_S, side="right"))(cumulative_PE)
@@ -197,64 +210,74 @@ def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activa
                                  choice.block_rows, choice.gemm_kernels, routed_rows=route.order_A.shape[0])
 
 
-def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, ep: int) -> jax.Array:
-  """Step 5: the outputs back to their senders, then into each token: y_TD."""
+def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, ep: int,
+             formats: tuple[str, str]) -> jax.Array:
+  """Step 5: the outputs back to their senders in `formats` (forward, backward), then into each token (a
+  float32 sum whatever the format): y_TD."""
   num_tokens, k = route.weights_TK.shape
   token_A = jnp.arange(num_tokens * k) // k
-  peer_A, rank_A = route.peer_A, route.rank_A
-  returned_PAD = exchange.back(y_RD, route.recv_P, route.send_P, axes=axes, ep=ep)
-  y_sorted_AD = jnp.where((peer_A < ep)[:, None], returned_PAD[jnp.minimum(peer_A, ep - 1), rank_A], 0)
+  moves = (route.peer_A, route.rank_A, route.send_P, route.recv_P)
+  to_senders = functools.partial(exchange.to_senders, axes=axes, ep=ep)
+  if exchange_formats.is_plain(*formats):
+    y_sorted_AD = to_senders(y_RD, moves)
+  else:
+    to_experts = functools.partial(exchange.to_experts, slot=y_RD.shape[0] // ep, axes=axes, ep=ep)
+    y_sorted_AD = exchange_formats.move_rows(exchange_formats.Movers(to_senders, to_experts),
+                                             exchange_formats.Trip(*formats, y_RD.dtype, y_RD.dtype), y_RD, moves)
   y_AD = jnp.zeros_like(y_sorted_AD).at[route.order_A].set(y_sorted_AD, unique_indices=True)
   return grouped_ffn.combine(y_AD, route.weights_TK.reshape(-1), token_A, num_tokens)
 
 
-# --- Token exchanges. Both put peer p's rows at rows [p*S, p*S + n_p) of the [ep*S, D] receive buffer, and
-# return the outputs into an [ep, S, D] buffer whose slot p came back from peer p. ---------------------
+# --- Token exchanges. `moves` = (peer_A, rank_A, send_P, recv_P) of a route; rows of any dtype (they are only
+# moved). `to_experts` puts peer p's rows at rows [p*S, p*S + n_p) of every receiver's [ep*S, W] buffer;
+# `to_senders`, its transpose, returns each of those rows to the assignment it came from, as [A, W] rows
+# sorted by destination (zeros for dropped assignments). -----------------------------------------------------
 
 
 class _Exchange(NamedTuple):
-  # (rows_AD sorted by destination, peer_A, rank_A, send_P, recv_P, *, slot S, axes, ep) -> [ep*S, D]
-  dispatch: Callable
-  # (y_RD [ep*S, D] in receive layout, recv_P, send_P, *, axes, ep) -> [ep, S, D]
-  back: Callable
+  to_experts: Callable  # (rows_AD sorted by destination, moves, *, slot S, axes, ep) -> [ep*S, W]
+  to_senders: Callable  # (rows_RD [ep*S, W] in receive layout, moves, *, axes, ep) -> [A, W]
 
 
-def _padded_dispatch(rows_AD, peer_A, rank_A, send_P, recv_P, *, slot, axes, ep):
-  """all_to_all of an [ep, S, D] buffer: my sorted rows go to slot [peer, rank]."""
-  del send_P, recv_P  # the padded buffer carries whole slots; the counts only matter to ragged sends
-  d = rows_AD.shape[-1]
-  buffer_PSD = jnp.zeros((ep, slot, d), rows_AD.dtype).at[peer_A, rank_A].set(rows_AD, mode="drop")
-  return jax.lax.all_to_all(buffer_PSD, axes, 0, 0).reshape(ep * slot, d)
+def _padded_to_experts(rows_AD, moves, *, slot, axes, ep):
+  """all_to_all of an [ep, S, W] buffer: my sorted rows go to slot [peer, rank]."""
+  peer_A, rank_A, _, _ = moves  # the padded buffer carries whole slots; the counts only matter to ragged sends
+  w = rows_AD.shape[-1]
+  buffer_PSW = jnp.zeros((ep, slot, w), rows_AD.dtype).at[peer_A, rank_A].set(rows_AD, mode="drop")
+  return jax.lax.all_to_all(buffer_PSW, axes, 0, 0).reshape(ep * slot, w)
 
 
-def _padded_back(y_RD, recv_P, send_P, *, axes, ep):
-  """The receive buffer is already in slot layout: all_to_all it back whole."""
-  del recv_P, send_P
-  return jax.lax.all_to_all(y_RD.reshape(ep, -1, y_RD.shape[-1]), axes, 0, 0)
+def _padded_to_senders(rows_RD, moves, *, axes, ep):
+  """The receive buffer is already in slot layout: all_to_all it back whole, then read each assignment's
+  slot [peer, rank]."""
+  peer_A, rank_A, _, _ = moves
+  returned_PSW = jax.lax.all_to_all(rows_RD.reshape(ep, -1, rows_RD.shape[-1]), axes, 0, 0)
+  return jnp.where((peer_A < ep)[:, None], returned_PSW[jnp.minimum(peer_A, ep - 1), rank_A], 0)
 
 
-def _ragged_dispatch(rows_AD, peer_A, rank_A, send_P, recv_P, *, slot, axes, ep):
+def _ragged_to_experts(rows_AD, moves, *, slot, axes, ep):
   """ragged_all_to_all into slot [my index] of every receiver's buffer (rows are contiguous per
   destination already), so a receiver finds peer p's rows at p*S."""
-  del peer_A, rank_A
-  offsets = (jnp.cumsum(send_P) - send_P).astype(jnp.int32)
-  return _ragged_all_to_all(rows_AD, offsets, send_P, recv_P, slot, axes, ep)
-
-
-def _ragged_back(y_RD, recv_P, send_P, *, axes, ep):
-  """Each peer's slot of my receive buffer back into slot [my index] of its [ep, S, D] buffer."""
-  slot = y_RD.shape[0] // ep
-  out = _ragged_all_to_all(y_RD, jnp.arange(ep, dtype=jnp.int32) * slot, recv_P, send_P, slot, axes, ep)
-  return out.reshape(ep, slot, -1)
-
-
-def _ragged_all_to_all(rows_XD, input_offsets, send_P, recv_P, slot: int, axes, ep: int) -> jax.Array:
-  """rows_XD[input_offsets[p] : + send_P[p]] to peer p, written at row (my index) * slot of its
-  [ep * slot, D] result; recv_P[p]: the rows peer p sends me."""
+  _, _, send_P, recv_P = moves
   me = jax.lax.axis_index(axes)
-  output_offsets = jnp.full((ep,), me * slot, jnp.int32)
-  return _exchange_rows(ep * slot, axes, rows_XD, input_offsets.astype(jnp.int32), send_P.astype(jnp.int32),
-                        output_offsets, recv_P.astype(jnp.int32))
+  return _exchange_rows(ep * slot, axes, rows_AD, _first_rows(send_P), send_P.astype(jnp.int32),
+                        jnp.full((ep,), me * slot, jnp.int32), recv_P.astype(jnp.int32))
+
+
+def _ragged_to_senders(rows_RD, moves, *, axes, ep):
+  """Peer p's rows (at p*S of my buffer) straight back to where p read them: its sorted rows for me start at
+  its first_P[me], learnt by an all_to_all of the first rows. Only the real rows travel and land, in an
+  [A, W] result (not an [ep, S, W] buffer: ep*min(K, E/ep)/K times smaller)."""
+  peer_A, _, send_P, recv_P = moves
+  slot = rows_RD.shape[0] // ep
+  where_peers_read = jax.lax.all_to_all(_first_rows(send_P), axes, 0, 0, tiled=True)
+  return _exchange_rows(peer_A.shape[0], axes, rows_RD, jnp.arange(ep, dtype=jnp.int32) * slot,
+                        recv_P.astype(jnp.int32), where_peers_read, send_P.astype(jnp.int32))
+
+
+def _first_rows(send_P) -> jax.Array:
+  """Where each destination's rows start among rows sorted by destination."""
+  return (jnp.cumsum(send_P) - send_P).astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -301,5 +324,5 @@ def _exchange_rows_bwd(rows_out, axes, residuals, grad_out):
 _exchange_rows.defvjp(_exchange_rows_fwd, _exchange_rows_bwd)
 
 
-_EXCHANGES = {"padded_all_to_all": _Exchange(_padded_dispatch, _padded_back),
-              "ragged_all_to_all": _Exchange(_ragged_dispatch, _ragged_back)}
+_EXCHANGES = {"padded_all_to_all": _Exchange(_padded_to_experts, _padded_to_senders),
+              "ragged_all_to_all": _Exchange(_ragged_to_experts, _ragged_to_senders)}

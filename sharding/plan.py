@@ -28,7 +28,8 @@ Implementation names, per op (each op module holds the table that maps them to c
   psum-ed where tensor-parallel axes do not split the tokens), "collectives" (all-gather / reduce-scatter,
   then or before the matmul), "ring" (the ppermute collective matmul), "fused" (a Flux kernel);
 - experts (`moe`): "local" (every expert on this device), "all_to_all" (exchange, grouped GEMM, return,
-  in `chunks` pipelined chunks), "fused" (the two Comet kernels);
+  in `chunks` pipelined chunks; each exchange in its wire format, `dispatch_formats`/`combine_formats`),
+  "fused" (the two Comet kernels);
 - gradient synchronisation (`gradients`): "xla" (XLA's all-reduce, inside each op's backward pass and by
   GSPMD for the weights outside the ops).
 """
@@ -47,12 +48,12 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshmoe.config import MESH_AXES, Config, ParallelConfig
+from meshmoe.config import MESH_AXES, Config, ConfigError, ParallelConfig
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import attention_kernels, parallel, rules, tokamax_gemm
+from meshmoe.sharding import attention_kernels, exchange_formats, parallel, rules, tokamax_gemm
 from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
 from meshmoe.sharding.parallel import Axes
 from meshmoe.sharding.rules import Preset, logical_to_spec
@@ -106,6 +107,16 @@ class Hardware:
     if self.platform != "gpu":
       return self.platform
     return f"{self.device_kind or 'gpu'} (compute capability {self.compute_capability}, {self.num_sms} SMs)"
+
+
+EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype")
+
+
+def _formats_unsupported_by_kernels(formats) -> str | None:
+  """Why the fused MoE kernels cannot run with these exchange formats (they move activation-dtype rows)."""
+  if all(exchange_formats.is_plain(*pair) for pair in formats):
+    return None
+  return "the fused kernels exchange rows in the activation dtype, and a parallel.moe_*_dtype format is set"
 
 
 def grouped_gemm(requested: str, hardware: Hardware) -> str:
@@ -178,6 +189,10 @@ class ExpertChoice(OpChoice):
   gemm_kernels: tokamax_gemm.Kernels | None = None  # tokamax's implementations, for "tokamax"
   block_rows: int = 0  # rows per overflow tile of the blocked GEMM; 0: blocked_gemm.DEFAULT_TILE_ROWS
   chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
+  # Wire formats (exchange_formats.FORMATS) of the dispatch and of the combine's return exchange, each as
+  # (forward, backward): `parallel.moe_{dispatch,combine}_dtype` and `moe_exchange_grad_dtype`.
+  dispatch_formats: tuple[str, str] = ("auto", "auto")
+  combine_formats: tuple[str, str] = ("auto", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +367,16 @@ class ParallelPlan:
     if kernels:
       gemm_name += f" ({kernels.describe()})"
     if ep == 1:
+      unused = [f"parallel.{name}={getattr(self.parallel, name)!r}" for name in EXCHANGE_FORMAT_FIELDS
+                if getattr(self.parallel, name) != "auto"]
+      if unused:  # said, not an error: a config may set them for the layouts that exchange tokens
+        gemm_fallback = "; ".join(filter(None, (gemm_fallback, f"{', '.join(unused)} unused: no tokens are "
+                                                               "exchanged (one device holds every expert)")))
       return ExpertChoice("local", f"every expert here; grouped GEMM {gemm_name}", fallback=gemm_fallback,
                           **gemm)
+    formats = self._exchange_formats()
     fused_fallback = ""
-    if self.tier.fused_kernels:
+    if self.tier.fused_kernels and (fused_fallback := _formats_unsupported_by_kernels(formats)) is None:
       backend, fused_fallback = self._fused_kernels(
           "MoE dispatch/return",
           moe_dispatch_gemm.unsupported(d, [f, f], dtype) or moe_gemm_return.unsupported([f], d, dtype))
@@ -364,9 +385,30 @@ class ParallelPlan:
                             kernel_backend=backend)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
-    return ExpertChoice("all_to_all", f"{chunks} chunk(s); tokens by {exchange} over {ep} devices; grouped "
-                        f"GEMM {gemm_name}", fallback="; ".join(filter(None, (fused_fallback, gemm_fallback))),
-                        exchange=exchange, chunks=chunks, **gemm)
+    detail = f"{chunks} chunk(s); tokens by {exchange} over {ep} devices"
+    for name, (forward, backward) in zip(("dispatch", "combine"), formats):
+      if not exchange_formats.is_plain(forward, backward):
+        detail += f"; {name} in {forward} (its gradient in {backward})"
+    return ExpertChoice("all_to_all", f"{detail}; grouped GEMM {gemm_name}",
+                        fallback="; ".join(filter(None, (fused_fallback, gemm_fallback))),
+                        exchange=exchange, chunks=chunks, dispatch_formats=formats[0], combine_formats=formats[1],
+                        **gemm)
+
+  def _exchange_formats(self) -> tuple[tuple[str, str], tuple[str, str]]:
+    """((dispatch, its gradient), (combine, its gradient)) wire formats. Raises ConfigError for float8 on a
+    GPU without float8 conversions in hardware (before Ada/Hopper, compute capability 8.9)."""
+    p = self.parallel
+    grad = p.moe_exchange_grad_dtype
+    formats = ((p.moe_dispatch_dtype, grad), (p.moe_combine_dtype, grad))
+    hw = self.hardware
+    for field in EXCHANGE_FORMAT_FIELDS:
+      if getattr(p, field) == "float8_e4m3fn" and hw.platform == "gpu":
+        major, _, minor = hw.compute_capability.partition(".")
+        if not (major.isdigit() and minor.isdigit()) or (int(major), int(minor)) < (8, 9):
+          raise ConfigError(f"parallel.{field}", "float8_e4m3fn", (
+              f"float8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+              f"{hw.describe()} has none. Allowed here: 'auto' or 'bfloat16'"))
+    return formats
 
   def _gathered_projection(self, op: str, unsupported: str | None, detail: str) -> OpChoice:
     fallback = ""

@@ -28,6 +28,8 @@ DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
 ATTENTION_TYPES = ("gqa", "mla")
 GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
+# Wire formats of the MoE token exchanges (sharding/exchange_formats.py).
+EXCHANGE_FORMATS = ("auto", "bfloat16", "float8_e4m3fn")
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 NAN_POLICIES = ("halt", "skip")
@@ -158,6 +160,14 @@ class ParallelConfig:
   # capability 8.0 to 10.x, "ragged_dot" (XLA's own; dense over every expert on CPU and GPU) elsewhere.
   grouped_gemm: str = "auto"
   gemm_block_rows: int = 0  # rows per overflow tile of the "blocked" GEMM; 0: its default (16)
+  # How the expert-parallel token exchanges travel (sharding/exchange_formats.py): "auto" in the activation
+  # dtype, "bfloat16", or "float8_e4m3fn" (float8 with a float32 scale per 128 channels, DeepEP's format;
+  # about half of bfloat16's bytes). The dispatch sends tokens to their experts; the combine returns the
+  # experts' outputs (summed in float32 either way); the grad format is both exchanges' backward. They apply
+  # to the `all_to_all` expert path; the fused kernels (pallas tier) do not run when one is set.
+  moe_dispatch_dtype: str = "auto"
+  moe_combine_dtype: str = "auto"
+  moe_exchange_grad_dtype: str = "auto"
   # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, reductions
   # pipelined across loop iterations, combining), "overlap_double_buffered" (also double-buffered loops: more
   # memory), "overlap_windowed_einsum" or "none" (XLA's defaults).
@@ -173,6 +183,8 @@ class ParallelConfig:
     _check_choice("parallel.grouped_gemm", self.grouped_gemm, GROUPED_GEMMS)
     _check_int("parallel.gemm_block_rows", self.gemm_block_rows, 0,
                "0 (chosen from the shapes) or a positive number of rows")
+    for name in ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype"):
+      _check_choice(f"parallel.{name}", getattr(self, name), EXCHANGE_FORMATS)
     _check_choice("parallel.xla_flags", self.xla_flags, XLA_FLAG_PRESETS)
     return self
 

@@ -78,6 +78,23 @@ def test_cost_model_matches_compiled_step_with_latent_attention(sizes, preset, a
   _check_against_compiled_step(_latent_attention(_config(sizes, preset, attention, remat, impl)))
 
 
+# Low-precision token exchanges (sharding/exchange_formats.py): wire formats of the dispatch, the combine and
+# their gradients.
+COMPRESSED = [((2, 4, 1, 1), "ep", "xla", ("float8_e4m3fn", "float8_e4m3fn", "auto")),
+              ((2, 2, 1, 2), "megascale", "xla", ("float8_e4m3fn", "bfloat16", "float8_e4m3fn")),
+              ((2, 2, 2, 1), "tp_sp", "reference", ("auto", "float8_e4m3fn", "bfloat16"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,impl,formats", COMPRESSED,
+                         ids=[f"{p}-{i}-{'-'.join(f)}" for _, p, i, f in COMPRESSED])
+def test_cost_model_matches_compiled_step_with_low_precision_exchanges(sizes, preset, impl, formats):
+  config = _config(sizes, preset, "allgather", "none", impl)
+  p = config.parallel
+  p.moe_dispatch_dtype, p.moe_combine_dtype, p.moe_exchange_grad_dtype = formats
+  _check_against_compiled_step(config.validate(8))
+
+
 ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
-from meshmoe.sharding import expert_parallel, moe_pipeline
+from meshmoe.sharding import exchange_formats, expert_parallel, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan, attention_weights, attention_width, projection_blocks
 
 
@@ -177,7 +177,7 @@ def _moe(lay: _Layout, add, c: int, residual: int) -> None:
   elif choice.implementation == "fused":
     _moe_kernels_as_collectives(lay, add, c, int(tokens * k), ep, local_experts)
   elif choice.implementation == "all_to_all":
-    _exchanges(lay, add, c, tokens, k, ep, choice)
+    _exchanges(lay, add, tokens, k, ep, choice)
   add("moe", "reduce-scatter", g, residual, True)
   add("moe", "all-gather", g, residual * g, False)
   r = lay.size(experts.reduce)
@@ -212,26 +212,32 @@ def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep:
   add("moe", "reduce-scatter", ep, receive_rows * d * c, False)
 
 
-def _exchanges(lay: _Layout, add, c: int, tokens: float, k: int, ep: int, choice) -> None:
-  """The token exchanges of the `all_to_all` implementation (expert_parallel.py)."""
-  moe = lay.config.model.moe
-  d = lay.config.model.embed_dim
-  sent = tokens * k * d * c  # [A, D]: this device's assignments
-  # [ep, S, D]: the receive buffer, dropless worst case (expert_parallel.peer_slot)
-  buffer = ep * expert_parallel.peer_slot(tokens, k, moe.num_experts // ep) * d * c
+def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> None:
+  """The token exchanges of the `all_to_all` implementation (expert_parallel.py), each in its wire format
+  (exchange_formats.py: a float8 row is D bytes plus a float32 scale per 128 channels)."""
+  moe, m = lay.config.model.moe, lay.config.model
+  d = m.embed_dim
+
+  def row(wire_format: str) -> float:
+    return exchange_formats.row_bytes(wire_format, d, m.dtype)
+
+  # [ep, S]: the receive buffer's rows, dropless worst case (expert_parallel.peer_slot)
+  slots = ep * expert_parallel.peer_slot(tokens, k, moe.num_experts // ep)
   # Group sizes first, once per chunk of the pipeline (moe_pipeline.py); the chunks' token buffers add up
   # to the unchunked ones.
   for _ in range(moe_pipeline.num_chunks(int(tokens), choice.chunks)):
     add("moe", "all-to-all", ep, moe.num_experts * 4, True)
+  dispatch, combine = choice.dispatch_formats, choice.combine_formats
   if choice.exchange == "padded_all_to_all":  # whole [ep, S, D] buffers, each transposed in the backward
-    for _ in range(2):  # dispatch and return
-      add("moe", "all-to-all", ep, buffer, True)
-      add("moe", "all-to-all", ep, buffer, False)
+    for forward, backward in (dispatch, combine):
+      add("moe", "all-to-all", ep, slots * row(forward), True)
+      add("moe", "all-to-all", ep, slots * row(backward), False)
   else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound)
-    add("moe", "ragged-all-to-all", ep, buffer, True)  # dispatch: [A] rows in, [ep*S] out
-    add("moe", "ragged-all-to-all", ep, buffer, True)  # return: into an [ep, S] buffer
-    add("moe", "ragged-all-to-all", ep, buffer, False)  # the return's transpose: [ep*S] out
-    add("moe", "ragged-all-to-all", ep, sent, False)  # the dispatch's transpose: back to [A] rows
+    assignments = tokens * k
+    add("moe", "ragged-all-to-all", ep, slots * row(dispatch[0]), True)  # dispatch: [A] rows in, [ep*S] out
+    add("moe", "ragged-all-to-all", ep, assignments * row(combine[0]), True)  # return: straight into [A] rows
+    add("moe", "ragged-all-to-all", ep, slots * row(combine[1]), False)  # the return's transpose: [ep*S] out
+    add("moe", "ragged-all-to-all", ep, assignments * row(dispatch[1]), False)  # the dispatch's: [A] out
 
 
 def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
