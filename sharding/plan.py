@@ -388,6 +388,7 @@ class ParallelPlan:
     detail = f"{chunks} chunk(s); tokens by {exchange} over {ep} devices"
     for name, (forward, backward) in zip(("dispatch", "combine"), formats):
       if not exchange_formats.is_plain(forward, backward):
+        forward, backward = (f.replace("auto", "the activation dtype") for f in (forward, backward))
         detail += f"; {name} in {forward} (its gradient in {backward})"
     return ExpertChoice("all_to_all", f"{detail}; grouped GEMM {gemm_name}",
                         fallback="; ".join(filter(None, (fused_fallback, gemm_fallback))),

@@ -227,7 +227,7 @@ def test_the_fused_kernels_give_way_to_a_wire_format():
   assert choice.implementation == "all_to_all", choice
   assert "activation dtype" in choice.fallback
   assert choice.dispatch_formats == (FP8, "auto") and choice.combine_formats == ("auto", "auto")
-  assert "dispatch in float8_e4m3fn" in choice.detail
+  assert "dispatch in float8_e4m3fn (its gradient in the activation dtype)" in choice.detail
   plain = _plan(ParallelConfig(impl="pallas", kernel_backend="collectives")).expert_ffn(8, 128, 256, jnp.bfloat16)
   assert plain.implementation == "fused"
 
