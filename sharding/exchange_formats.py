@@ -5,6 +5,7 @@ cotangents back: the dispatch sends each token's row to its experts' devices, th
 output back to the token's device, where the combine sums them in float32. `move_rows` performs one such
 trip in a chosen format ("wire format"), with the format of its backward chosen apart:
 
+Formats (meshmoe.config.EXCHANGE_FORMATS):
 - "auto": the rows travel as they are (the activation dtype); the plain path, no conversion;
 - "bfloat16": cast to bfloat16 for the trip (as uint16: XLA:CPU widens bfloat16 collectives to float32) and
   back to the destination's dtype;
@@ -39,7 +40,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-FORMATS = ("auto", "bfloat16", "float8_e4m3fn")
 FLOAT8_BLOCK = 128  # channels per float32 scale (DeepEP's FP8 dispatch)
 FLOAT8_MAX = 448.0  # e4m3fn's largest finite magnitude
 _SCALE_BYTES = 4

@@ -48,7 +48,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshmoe.config import MESH_AXES, Config, ConfigError, ParallelConfig
+from meshmoe.config import EXCHANGE_FORMAT_FIELDS, MESH_AXES, Config, ConfigError, ParallelConfig
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
@@ -107,9 +107,6 @@ class Hardware:
     if self.platform != "gpu":
       return self.platform
     return f"{self.device_kind or 'gpu'} (compute capability {self.compute_capability}, {self.num_sms} SMs)"
-
-
-EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype")
 
 
 def _formats_unsupported_by_kernels(formats) -> str | None:
@@ -189,7 +186,7 @@ class ExpertChoice(OpChoice):
   gemm_kernels: tokamax_gemm.Kernels | None = None  # tokamax's implementations, for "tokamax"
   block_rows: int = 0  # rows per overflow tile of the blocked GEMM; 0: blocked_gemm.DEFAULT_TILE_ROWS
   chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
-  # Wire formats (exchange_formats.FORMATS) of the dispatch and of the combine's return exchange, each as
+  # Wire formats (config.EXCHANGE_FORMATS) of the dispatch and of the combine's return exchange, each as
   # (forward, backward): `parallel.moe_{dispatch,combine}_dtype` and `moe_exchange_grad_dtype`.
   dispatch_formats: tuple[str, str] = ("auto", "auto")
   combine_formats: tuple[str, str] = ("auto", "auto")

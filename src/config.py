@@ -30,6 +30,7 @@ ATTENTION_TYPES = ("gqa", "mla")
 GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
 # Wire formats of the MoE token exchanges (sharding/exchange_formats.py).
 EXCHANGE_FORMATS = ("auto", "bfloat16", "float8_e4m3fn")
+EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype")  # of `parallel`
 REMAT_POLICIES = ("none", "full", "dots")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 NAN_POLICIES = ("halt", "skip")
@@ -183,7 +184,7 @@ class ParallelConfig:
     _check_choice("parallel.grouped_gemm", self.grouped_gemm, GROUPED_GEMMS)
     _check_int("parallel.gemm_block_rows", self.gemm_block_rows, 0,
                "0 (chosen from the shapes) or a positive number of rows")
-    for name in ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype"):
+    for name in EXCHANGE_FORMAT_FIELDS:
       _check_choice(f"parallel.{name}", getattr(self, name), EXCHANGE_FORMATS)
     _check_choice("parallel.xla_flags", self.xla_flags, XLA_FLAG_PRESETS)
     return self
