@@ -80,8 +80,7 @@ def row_bytes(wire_format: str, width: int, dtype) -> float:
 def float8_error_bound(x_RD: jax.Array) -> jax.Array:
   """The bound above on |dequantise(quantise(x)) - x|, elementwise (before the destination's rounding)."""
   x = x_RD.astype(jnp.float32)
-  amax_RD = jnp.repeat(_block_amax(x), FLOAT8_BLOCK, axis=-1)[:, :x.shape[-1]]
-  return 2.0**-4 * jnp.abs(x) + 2.0**-10 * amax_RD / FLOAT8_MAX
+  return 2.0**-4 * jnp.abs(x) + 2.0**-10 * _per_channel(_block_amax(x), x.shape[-1]) / FLOAT8_MAX
 
 
 def _block_amax(x_RD: jax.Array) -> jax.Array:
@@ -90,6 +89,11 @@ def _block_amax(x_RD: jax.Array) -> jax.Array:
   blocks = math.ceil(d / FLOAT8_BLOCK)
   padded = jnp.pad(jnp.abs(x_RD), ((0, 0), (0, blocks * FLOAT8_BLOCK - d)))
   return jnp.max(padded.reshape(r, blocks, FLOAT8_BLOCK), axis=-1)
+
+
+def _per_channel(x_RB: jax.Array, width: int) -> jax.Array:
+  """[R, width]: each block's value repeated over its channels."""
+  return jnp.repeat(x_RB, FLOAT8_BLOCK, axis=-1)[:, :width]
 
 
 def encode(x_RD: jax.Array, wire_format: str) -> jax.Array:
@@ -105,8 +109,7 @@ def encode(x_RD: jax.Array, wire_format: str) -> jax.Array:
   amax_RB = _block_amax(x)
   # A block of zeros keeps scale 1 (any scale decodes zeros to zeros; 0 would make 0/0 here).
   scale_RB = jnp.where(amax_RB > 0, amax_RB / FLOAT8_MAX, 1.0)
-  per_channel = jnp.repeat(scale_RB, FLOAT8_BLOCK, axis=-1)[:, :d]
-  values = jax.lax.bitcast_convert_type((x / per_channel).astype(jnp.float8_e4m3fn), jnp.uint8)
+  values = jax.lax.bitcast_convert_type((x / _per_channel(scale_RB, d)).astype(jnp.float8_e4m3fn), jnp.uint8)
   scales = jax.lax.bitcast_convert_type(scale_RB, jnp.uint8).reshape(r, -1)
   return jnp.concatenate([values, scales], axis=-1)
 
@@ -120,7 +123,7 @@ def decode(payload: jax.Array, wire_format: str, width: int, dtype) -> jax.Array
   r = payload.shape[0]
   values = jax.lax.bitcast_convert_type(payload[:, :width], jnp.float8_e4m3fn).astype(jnp.float32)
   scale_RB = jax.lax.bitcast_convert_type(payload[:, width:].reshape(r, -1, _SCALE_BYTES), jnp.float32)
-  return (values * jnp.repeat(scale_RB, FLOAT8_BLOCK, axis=-1)[:, :width]).astype(dtype)
+  return (values * _per_channel(scale_RB, width)).astype(dtype)
 
 
 def _trip(mover: Mover, wire_format: str, rows: jax.Array, route, dtype) -> jax.Array:

@@ -185,9 +185,8 @@ def test_fp8_backward_exchanges_quantise_the_cotangent_rows():
   # Each token's gradient is the sum of its rows' quantised gradients, the rows computed from the quantised
   # cotangents as the reference computes them.
   rows_AD = x.reshape(-1, d)[token_A]
-  y_AD, pullback = jax.vjp(lambda r: grouped_ffn.grouped_ffn(r, experts.reshape(-1), w, swiglu_hidden, "blocked"),
-                           rows_AD)
-  del y_AD
+  _, pullback = jax.vjp(lambda r: grouped_ffn.grouped_ffn(r, experts.reshape(-1), w, swiglu_hidden, "blocked"),
+                        rows_AD)
   (dispatched_AD,) = pullback(_quantised(weights.reshape(-1)[:, None] * cotangent.reshape(-1, d)[token_A]))
   bound_T = jnp.zeros((b * s, d)).at[token_A].add(exchange_formats.float8_error_bound(dispatched_AD))
   error = np.abs(np.asarray(got_dx - want_dx))

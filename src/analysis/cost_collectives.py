@@ -13,8 +13,9 @@ parallelism's gradient all-reduce. Weights outside the explicit ops (embedding, 
 norms) are handled by GSPMD the same way.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
-GSPMD for the zigzag permutation and capacity priority, scalar loss reductions, and the gathers GSPMD
-adds around the vocabulary-parallel logits of `tp_sp`.
+GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
+ep int32, expert_parallel.py), scalar loss reductions, and the gathers GSPMD adds around the
+vocabulary-parallel logits of `tp_sp`.
 """
 
 from __future__ import annotations

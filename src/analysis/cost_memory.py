@@ -170,7 +170,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   rows = ep * expert_parallel.peer_slot(gathered, moe.top_k, local_experts)  # the receive buffer
   # Copied rows, and the exchanges' buffers: the receive buffer and the returned rows, [ep, S] padded slots
   # on CPU, the assignments' [A] rows where ragged_all_to_all returns them (expert_parallel.py).
-  returned = assignments if getattr(choice, "exchange", "") == "ragged_all_to_all" else rows
+  returned = assignments if choice.exchange == "ragged_all_to_all" else rows
   buffers += assignments * d * c * 2 + (2 * (rows + returned) * d * c if ep > 1 else 0)
   if choice.implementation == "fused":
     # The tile plan's buffers: send and returned rows, received rows with their gate, up and hidden units;
