@@ -1,7 +1,7 @@
 """Train-step time of a config on the local devices, and the cost model beside the compiled program.
 
   bash experiments/run.sh bench [--config=tiny_moe] [--devices=8] [--preset=ep] [--data=-1 ...]
-      [--attention=ring] [--steps=10] [--repeats=1]
+      [--attention=ring] [--impl=xla] [--layer_schedule=two_halves] [--steps=10] [--repeats=1]
 
 --config names an experiment in experiments/configs/ (default tiny_moe; maxtext_tiny_moe is MaxText's tiny
 MoE shape). With --devices=N on a CPU machine, N devices are simulated (set before JAX starts). Prints the
@@ -28,6 +28,8 @@ for _axis in ("data", "expert", "tensor", "sequence"):
   flags.DEFINE_integer(_axis, None, f"size of the {_axis} mesh axis")
 flags.DEFINE_string("grouped_gemm", None, "grouped GEMM of the dropless MoE path: auto, blocked, ragged_dot")
 flags.DEFINE_string("attention", None, "context-parallel attention: allgather, ring, ulysses")
+flags.DEFINE_string("impl", None, "parallel-op tier: reference, xla, pallas")
+flags.DEFINE_string("layer_schedule", None, "MoE layers' schedule: sequential, two_halves")
 FLAGS = flags.FLAGS
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 
@@ -58,6 +60,10 @@ def main(argv):
     config.parallel.grouped_gemm = FLAGS.grouped_gemm
   if FLAGS.attention:
     config.parallel.attention = FLAGS.attention
+  if FLAGS.impl:
+    config.parallel.impl = FLAGS.impl
+  if FLAGS.layer_schedule:
+    config.parallel.layer_schedule = FLAGS.layer_schedule
   for axis in ("data", "expert", "tensor", "sequence"):
     if getattr(FLAGS, axis) is not None:
       setattr(config.mesh, axis, getattr(FLAGS, axis))

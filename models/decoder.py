@@ -7,6 +7,17 @@ Layers of one kind are a `LayerStack`: their parameters stacked along a leading 
 by a scan. The compiled program holds one layer whatever the depth (a 61-layer model compiles as fast as a
 2-layer one), and the loop is what XLA pipelines: with the GPU flag presets (meshmoe.runtime.xla_flags) the FSDP
 all-gather of layer i+1's weights runs during layer i.
+
+Two-halves schedule (`parallel.layer_schedule="two_halves"`, the plan's `layer` entry): an MoE layer's rows
+are cut into two halves (each device's even and odd rows, so neither half moves between devices), carried
+through the layer loop apart and joined after it. Per layer: A's attention and routing, then B's attention
+while A's tokens travel to their experts, A's experts while B's travel, B's experts while A's outputs
+return: one half's exchanges have the other half's compute to hide behind (inter-operator overlap, as in
+MegaScale-MoE), where one pass leaves the first dispatch and the last return exposed. XLA's latency-hiding
+scheduler places the collectives; optimization barriers only keep XLA from merging the halves' GEMMs on
+shared weights back into one. It is the same function: attention, routing and expert capacity are per
+sequence, and the router statistics of the halves merge exactly (moe.merge_halves). It costs a second
+gradient all-reduce of each in-op weight per MoE layer, since each op is called once per half.
 """
 
 from __future__ import annotations
@@ -22,8 +33,9 @@ from meshmoe.models import output
 from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.mla import LatentAttention
-from meshmoe.models.moe import MoEBlock, MoEStats
+from meshmoe.models.moe import MoEBlock, MoEStats, merge_halves
 from meshmoe.models.router import update_expert_bias
+from meshmoe.sharding import shardings
 from meshmoe.sharding.shardings import constrain
 
 _RESIDUAL = ("act_batch", "act_seq", "act_embed")
@@ -39,12 +51,58 @@ class DecoderLayer(nnx.Module):
                 else MoEBlock(cfg, rngs=rngs))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
-    x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL)
+    x_BSD = self._attention_block(x_BSD, positions_BS)
     if isinstance(self.ffn, MoEBlock):
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS)
     else:
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
     return constrain(x_BSD + y_BSD, _RESIDUAL), stats
+
+  def two_halves(self, halves: Halves) -> tuple[Halves, MoEStats]:
+    """The MoE layer on two halves of the rows (module docstring), the same function as `__call__` on the
+    whole. Order: A's attention and routing; B's attention while A's tokens travel to their experts; A's
+    experts while B's tokens travel; B's experts while A's outputs return. XLA's scheduler places each
+    exchange beside the other half's compute; the barriers below keep the halves from being merged."""
+    (xa_BSD, xb_BSD), (positions_a_BS, positions_b_BS) = halves
+    xa_BSD = self._attention_block(xa_BSD, positions_a_BS)
+    na_BSD = self.ffn_norm(xa_BSD)
+    choice_a, stats_a = self.ffn.route(na_BSD, positions_a_BS)
+    # B's attention after A's routing: otherwise XLA merges GEMMs of the two halves that share weights (the
+    # router's, the projections') into one, which waits for both halves: A's dispatch would then wait for
+    # B's attention instead of running beside it.
+    xb_BSD, na_BSD, choice_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, choice_a))
+    ya_BSD = self.ffn.routed_experts(na_BSD, choice_a)
+    xb_BSD = self._attention_block(xb_BSD, positions_b_BS)
+    nb_BSD = self.ffn_norm(xb_BSD)
+    choice_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS)
+    yb_BSD = self.ffn.routed_experts(nb_BSD, choice_b)
+    if self.ffn.shared is not None:
+      ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
+      nb_BSD, ya_BSD = jax.lax.optimization_barrier((nb_BSD, ya_BSD))  # the same for the shared experts
+      yb_BSD = yb_BSD + self.ffn.shared(nb_BSD)
+    return ((constrain(xa_BSD + ya_BSD, _RESIDUAL), constrain(xb_BSD + yb_BSD, _RESIDUAL)),
+            (positions_a_BS, positions_b_BS)), merge_halves(stats_a, stats_b)
+
+  def _attention_block(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+    return constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL)
+
+
+# Two halves of a batch's rows, and their positions: ((a_BSD, b_BSD), (positions_a_BS, positions_b_BS)).
+Halves = tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def split_halves(x: jax.Array, logical_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+  """Rows 0, 2, 4, ... and rows 1, 3, 5, ...: with the rows split over devices into blocks of an even size,
+  each device's halves are its own rows, so neither half moves between devices."""
+  if x.shape[0] % 2:  # runs check this in the plan (ParallelPlan.build); direct calls meet it here
+    raise ValueError(f"parallel.layer_schedule='two_halves' needs an even number of rows, got {x.shape[0]}")
+  pairs = x.reshape(x.shape[0] // 2, 2, *x.shape[1:])
+  return constrain(pairs[:, 0], logical_axes), constrain(pairs[:, 1], logical_axes)
+
+
+def join_halves(a: jax.Array, b: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+  """split_halves' inverse."""
+  return constrain(jnp.stack([a, b], axis=1).reshape(2 * a.shape[0], *a.shape[1:]), logical_axes)
 
 
 class LayerStack(nnx.Module):
@@ -62,6 +120,7 @@ class LayerStack(nnx.Module):
       if isinstance(variable, nnx.Variable):
         variable.set_metadata(logical_axes=("layers", *variable.get_metadata()["logical_axes"]))
     self.remat = cfg.remat
+    self.moe = not dense
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
     """Runs the layers in order; MoE statistics come back stacked, one row per layer."""
@@ -69,11 +128,19 @@ class LayerStack(nnx.Module):
     # A plain lax.scan over the split state: the forward pass reads the variables and mutates none, and
     # nnx.scan would refuse variables that come from an outer trace (the selection bias in a train step).
     graphdef, stacked = nnx.split(self.layer)
+    if not (self.moe and _two_halves()):
 
-    def one_layer(x_BSD, state):
-      return _remat(self.remat, nnx.merge(graphdef, state), x_BSD, positions_BS)
+      def one_layer(x_BSD, state):
+        return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS)
 
-    return jax.lax.scan(one_layer, x_BSD, stacked)
+      return jax.lax.scan(one_layer, x_BSD, stacked)
+
+    def one_layer_in_halves(halves, state):
+      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves)
+
+    halves = (split_halves(x_BSD, _RESIDUAL), split_halves(positions_BS, _RESIDUAL[:2]))
+    ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, stacked)
+    return join_halves(xa_BSD, xb_BSD, _RESIDUAL), stats
 
 
 @dataclasses.dataclass
@@ -139,12 +206,18 @@ class Transformer(nnx.Module):
       bias_LE[...] = update_expert_bias(bias_LE[...], expert_load_LE, self.cfg.moe.expert_bias_update_rate)
 
 
-def _remat(policy: str, layer: DecoderLayer, x_BSD: jax.Array, positions_BS: jax.Array):
-  """Runs `layer`, storing for the backward pass what `policy` (ModelConfig.remat) allows."""
+def _two_halves() -> bool:
+  """Whether the active plan runs MoE layers in two halves (ParallelPlan.two_halves)."""
+  plan = shardings.current()
+  return plan is not None and plan.two_halves
+
+
+def _remat(policy: str, method, layer: DecoderLayer, *args):
+  """Runs `method(layer, *args)`, storing for the backward pass what `policy` (ModelConfig.remat) allows."""
   if policy == "none":
-    return layer(x_BSD, positions_BS)
+    return method(layer, *args)
   saveable = None if policy == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-  return nnx.remat(lambda layer, x, positions: layer(x, positions), policy=saveable)(layer, x_BSD, positions_BS)
+  return nnx.remat(method, policy=saveable)(layer, *args)
 
 
 def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:

@@ -11,7 +11,7 @@ from flax import nnx
 from meshmoe.config import ModelConfig
 from meshmoe.models.capacity import capacity_keep
 from meshmoe.models.layers import SwiGLU, param, swiglu_hidden
-from meshmoe.models.router import Router
+from meshmoe.models.router import Router, load_balancing_loss
 from meshmoe.sharding import expert_parallel
 from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.shardings import constrain
@@ -23,9 +23,24 @@ class MoEStats:
   z_loss: jax.Array  # scalar router z-loss
   load_E: jax.Array  # assignments per expert in this batch
   dropped_fraction: jax.Array  # share of the B*S*K assignments dropped by capacity (0 when dropless)
+  score_mean_E: jax.Array  # mean normalised router score per expert (what the aux loss weighs the load by)
 
 
 jax.tree_util.register_dataclass(MoEStats)
+
+
+def merge_halves(a: MoEStats, b: MoEStats) -> MoEStats:
+  """The statistics of a batch from those of its two halves of equal token counts (the two-halves layer
+  schedule, decoder.py): loads add; means average; the aux loss is recomputed from the merged terms, as
+  the whole batch's would be (it is not linear in them)."""
+  load_E = a.load_E + b.load_E
+  score_mean_E = (a.score_mean_E + b.score_mean_E) / 2
+  return MoEStats(load_balancing_loss(load_E, score_mean_E), (a.z_loss + b.z_loss) / 2, load_E,
+                  (a.dropped_fraction + b.dropped_fraction) / 2, score_mean_E)
+
+
+# A routing decision: (experts_BSK int32, weights_BSK float32).
+ExpertChoice = tuple[jax.Array, jax.Array]
 
 
 class MoEBlock(nnx.Module):
@@ -42,10 +57,18 @@ class MoEBlock(nnx.Module):
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted."""
+    choice, stats = self.route(x_BSD, positions_BS)
+    y_BSD = self.routed_experts(x_BSD, choice)
+    if self.shared is not None:
+      y_BSD = y_BSD + self.shared(x_BSD)
+    return y_BSD, stats
+
+  def route(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> tuple[ExpertChoice, MoEStats]:
+    """Each token's experts (id E where capacity drops the assignment) and combine weights."""
     b, s, _ = x_BSD.shape
     num_experts = self.cfg.num_experts
     routing = self.router(x_BSD)
-    experts_BSK, weights_BSK = routing.experts_TK, routing.weights_TK
+    experts_BSK = routing.experts_TK
     dropped_fraction = jnp.zeros((), jnp.float32)
     if self.cfg.capacity_factor is not None:
       if positions_BS is None:
@@ -53,10 +76,12 @@ class MoEBlock(nnx.Module):
       kept_BSK = capacity_keep(experts_BSK, positions_BS, num_experts, self.cfg.capacity_factor)
       experts_BSK = jnp.where(kept_BSK, experts_BSK, num_experts)  # id E: never sent, never computed
       dropped_fraction = 1.0 - jnp.mean(kept_BSK.astype(jnp.float32))
+    stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction, routing.score_mean_E)
+    return (experts_BSK, routing.weights_TK), stats
+
+  def routed_experts(self, x_BSD: jax.Array, choice: ExpertChoice) -> jax.Array:
+    """The routed experts' outputs, combined per token (the parallel op of the active plan)."""
+    experts_BSK, weights_BSK = choice
     w = ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
     y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden)
-    y_BSD = constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))
-    if self.shared is not None:
-      y_BSD = y_BSD + self.shared(x_BSD)
-    stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction)
-    return y_BSD, stats
+    return constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ class Routing:
   aux_loss: jax.Array  # scalar load-balancing loss
   z_loss: jax.Array  # scalar router z-loss
   load_E: jax.Array  # float32 number of assignments per expert
+  score_mean_E: jax.Array  # mean normalised score per expert (p_e of the load-balancing loss)
 
 
 jax.tree_util.register_dataclass(Routing)
@@ -72,14 +72,20 @@ class Router(nnx.Module):
       weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
     weights_TK = weights_TK * cfg.routed_scaling
 
-    num_tokens = math.prod(x_TD.shape[:-1])
     load_E = jnp.sum(jax.nn.one_hot(experts_TK, cfg.num_experts, dtype=jnp.float32), axis=token_dims + (-2,))
-    fraction_E = load_E / (num_tokens * cfg.top_k)
     # Sigmoid scores do not sum to one; normalise per token so p_e is a distribution like softmax's.
     probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
-    aux_loss = cfg.num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=token_dims))
+    score_mean_E = jnp.mean(probs_TE, axis=token_dims)
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-    return Routing(experts_TK.astype(jnp.int32), weights_TK, aux_loss, z_loss, load_E)
+    return Routing(experts_TK.astype(jnp.int32), weights_TK, load_balancing_loss(load_E, score_mean_E), z_loss,
+                   load_E, score_mean_E)
+
+
+def load_balancing_loss(load_E: jax.Array, score_mean_E: jax.Array) -> jax.Array:
+  """E * sum_e f_e * p_e (module docstring): f_e is expert e's share of the assignments (load_E counts
+  every token's K choices, so it sums to T*K exactly), p_e its mean normalised score."""
+  fraction_E = load_E / jnp.sum(load_E)
+  return load_E.shape[-1] * jnp.sum(fraction_E * score_mean_E)
 
 
 def top_k_experts(scores_TE: jax.Array, k: int) -> jax.Array:

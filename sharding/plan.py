@@ -242,6 +242,12 @@ class ParallelPlan:
   def tier(self) -> Tier:
     return TIERS[self.parallel.impl]
 
+  @property
+  def two_halves(self) -> bool:
+    """Whether MoE layers run their rows in two halves (ParallelConfig.layer_schedule)."""
+    layer = self.ops.get("layer")
+    return layer.implementation == "two_halves" if layer else self.parallel.layer_schedule == "two_halves"
+
   # --- Placement ----------------------------------------------------------------------------------------
 
   def axis_size(self, axes: Sequence[str]) -> int:
@@ -510,9 +516,29 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
     lay = plan.expert_layout()
     width = moe.expert_mlp_dim // plan.axis_size(lay.width_axes)
     ops["moe"] = plan.expert_ffn(lay.ep, m.embed_dim, width, dtype)
+    ops["layer"] = _layer_schedule(plan, config, ops["moe"])
   ops["gradients"] = OpChoice("xla", "all-reduce over the devices that hold different tokens (in the ops' "
                               "backward passes; GSPMD's outside them)")
   return ops
+
+
+def _layer_schedule(plan: ParallelPlan, config: Config, moe: OpChoice) -> OpChoice:
+  """How MoE layers order attention and the MoE (ParallelConfig.layer_schedule, models/decoder.py)."""
+  if plan.parallel.layer_schedule == "sequential":
+    return OpChoice("sequential", "attention, then the MoE")
+  t = config.train
+  batch_axes = parallel.dim_axes(plan.activation_spec(_RESIDUAL), 0)
+  rows = t.global_batch_size // t.grad_accum_steps // plan.axis_size(batch_axes)
+  if rows % 2:
+    raise ConfigError("parallel.layer_schedule", "two_halves", (
+        f"it cuts each device's rows (sequences) of a micro-batch in two, and here each device has {rows} "
+        f"(train.global_batch_size={t.global_batch_size} / train.grad_accum_steps={t.grad_accum_steps} / "
+        f"{plan.axis_size(batch_axes)} batch shards): use an even number per device, or 'sequential'"))
+  detail = ("each device's rows in two halves whose attention and MoE alternate, one half's token exchanges "
+            "beside the other's compute")
+  if moe.implementation == "local":
+    detail += "; here the MoE exchanges no tokens, so there is nothing to hide"
+  return OpChoice("two_halves", detail)
 
 
 class Block(NamedTuple):

@@ -32,6 +32,8 @@ GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
 EXCHANGE_FORMATS = ("auto", "bfloat16", "float8_e4m3fn")
 EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype")  # of `parallel`
 REMAT_POLICIES = ("none", "full", "dots")
+# How an MoE layer orders its attention and MoE (models/decoder.py).
+LAYER_SCHEDULES = ("sequential", "two_halves")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 NAN_POLICIES = ("halt", "skip")
 
@@ -169,6 +171,12 @@ class ParallelConfig:
   moe_dispatch_dtype: str = "auto"
   moe_combine_dtype: str = "auto"
   moe_exchange_grad_dtype: str = "auto"
+  # How each MoE layer orders its work (models/decoder.py): "sequential" (attention, then the MoE) or
+  # "two_halves": each device's rows of the micro-batch are cut into two halves whose attention and MoE
+  # alternate, so one half's token exchanges run beside the other half's attention or expert GEMMs
+  # (inter-operator overlap, as in MegaScale-MoE). Same results: attention, routing and expert capacity are
+  # per sequence. Needs an even number of rows per device; applies where the MoE exchanges tokens.
+  layer_schedule: str = "sequential"
   # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, reductions
   # pipelined across loop iterations, combining), "overlap_double_buffered" (also double-buffered loops: more
   # memory), "overlap_windowed_einsum" or "none" (XLA's defaults).
@@ -186,6 +194,7 @@ class ParallelConfig:
                "0 (chosen from the shapes) or a positive number of rows")
     for name in EXCHANGE_FORMAT_FIELDS:
       _check_choice(f"parallel.{name}", getattr(self, name), EXCHANGE_FORMATS)
+    _check_choice("parallel.layer_schedule", self.layer_schedule, LAYER_SCHEDULES)
     _check_choice("parallel.xla_flags", self.xla_flags, XLA_FLAG_PRESETS)
     return self
 

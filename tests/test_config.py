@@ -151,6 +151,7 @@ def test_non_negative_loss_weights(field, value):
     ("parallel.moe_chunks", 0, "a positive integer"),
     ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
     ("parallel.moe_dispatch_dtype", "fp8", "one of 'auto', 'bfloat16', 'float8_e4m3fn'"),
+    ("parallel.layer_schedule", "halves", "one of 'sequential', 'two_halves'"),
 ]])
 def test_choices_list_what_is_allowed(field, value, allowed):
   expect_error(make(**{field: value}), field, value, allowed)

@@ -80,7 +80,7 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
-           "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS,
+           "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS, "parallel.layer_schedule": config_lib.LAYER_SCHEDULES,
            **{f"parallel.{name}": config_lib.EXCHANGE_FORMATS for name in config_lib.EXCHANGE_FORMAT_FIELDS},
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
 BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",

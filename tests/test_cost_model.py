@@ -95,6 +95,19 @@ def test_cost_model_matches_compiled_step_with_low_precision_exchanges(sizes, pr
   _check_against_compiled_step(config.validate(8))
 
 
+# The two-halves layer schedule calls each op of an MoE layer once per half: the same bytes per exchange in
+# all, twice the in-op weight-gradient all-reduces (megascale checks the all-reduces alone).
+TWO_HALVES = [((2, 2, 1, 2), "megascale", "xla"), ((2, 2, 2, 1), "tp_sp", "reference")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,impl", TWO_HALVES, ids=[f"{p}-{i}" for _, p, i in TWO_HALVES])
+def test_cost_model_matches_compiled_step_with_two_halves(sizes, preset, impl):
+  config = _config(sizes, preset, "allgather", "none", impl)
+  config.parallel.layer_schedule = "two_halves"
+  _check_against_compiled_step(config.validate(8))
+
+
 ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]
 
 

@@ -143,3 +143,20 @@ def test_pallas_tier_layouts_match_single_device(sizes, preset):
 def test_pallas_tier_with_capacity_drops_matches_single_device():
   _check_layout("capacity", {"capacity_factor": 0.75}, (2, 4, 1, 1), "ep",
                 parallel=ParallelConfig(impl="pallas", kernel_backend="collectives"))
+
+
+# The two-halves layer schedule (models/decoder.py): each device's rows cut in two halves whose attention and
+# MoE alternate, against the sequential single-device model. Every tier, with and without capacity drops
+# (capacity is per sequence, so halves of the rows drop what the whole batch drops).
+TWO_HALVES_LAYOUTS = [((2, 2, 1, 2), "megascale", "xla", {}), ((2, 2, 2, 1), "tp_sp", "reference", {}),
+                      ((1, 4, 2, 1), "megascale", "pallas", {}),
+                      ((2, 2, 1, 2), "megascale", "xla", {"capacity_factor": 0.75})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,impl,moe", TWO_HALVES_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{i}{'-capacity' if m else ''}"
+                              for s, p, i, m in TWO_HALVES_LAYOUTS])
+def test_two_halves_layer_schedule_matches_single_device(sizes, preset, impl, moe):
+  parallel = ParallelConfig(impl=impl, kernel_backend="collectives", layer_schedule="two_halves")
+  _check_layout("capacity" if moe else "dropless", moe, sizes, preset, parallel=parallel)

@@ -9,6 +9,7 @@
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +247,20 @@ def test_unknown_tier_or_preset_is_one_config_error():
   with pytest.raises(config_lib.ConfigError, match="mesh.preset='pp' is invalid"):
     ParallelPlan.for_mesh(mesh, "pp")
 
+
+
+def test_the_layer_schedule_is_in_the_plan_and_odd_rows_are_one_config_error():
+  config = _config("ep", layer_schedule="two_halves")  # 16 rows over 8 batch shards: 2 per device
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  assert plan.two_halves and plan.ops["layer"].implementation == "two_halves"
+  assert re.search(r"\n  layer +two_halves +each device's rows in two halves", plan.table())
+  assert ParallelPlan.build(_config("ep"), make_mesh(config.mesh)).ops["layer"].implementation == "sequential"
+  # One device holds every expert: no exchange to hide, and the plan says so.
+  local = _config("dp", layer_schedule="two_halves")
+  local.train.global_batch_size = 32  # 4 rows per device
+  assert "nothing to hide" in ParallelPlan.build(local, make_mesh(local.mesh)).ops["layer"].detail
+  config.train.global_batch_size = 24  # 3 rows per device
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"parallel.layer_schedule='two_halves' is invalid: .* each device has 3 \(train.global_batch_size=24 / "
+      r"train.grad_accum_steps=1 / 8 batch shards\): use an even number per device, or 'sequential'")):
+    ParallelPlan.build(config, make_mesh(config.mesh))

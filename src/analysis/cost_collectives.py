@@ -9,7 +9,8 @@ micro-batch, forward then backward (the transpose of each op: all-gather <-> red
 
 Weight gradients: a weight that enters an op whole on devices that compute different tokens gets its
 gradient summed over those devices inside the op's backward (an all-reduce per micro-batch); that is data
-parallelism's gradient all-reduce. Weights outside the explicit ops (embedding, output projection, router,
+parallelism's gradient all-reduce (twice per MoE layer under the two-halves layer schedule, which calls
+each op once per half). Weights outside the explicit ops (embedding, output projection, router,
 norms) are handled by GSPMD the same way.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
@@ -249,11 +250,14 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   num_moe = m.num_layers - m.num_dense_layers
   d = m.embed_dim
   # (logical names, number of elements, layers holding it, bytes per element, inside a parallel op)
+  # An MoE layer run in two halves (ParallelPlan.two_halves) calls each of its ops twice: its in-op weights'
+  # gradients are summed twice per micro-batch, counted here as twice the layers.
+  moe_calls = num_moe * (2 if lay.plan.two_halves else 1)
   weights = [
-      *((names, elements, m.num_layers, c, True) for names, elements in attention_weights(m)),
+      *((names, elements, m.num_dense_layers + moe_calls, c, True) for names, elements in attention_weights(m)),
       (("embed", "mlp"), d * m.mlp_dim * 3, m.num_dense_layers, c, True),
-      (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, num_moe, c, True),
-      (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, num_moe, c, True),
+      (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, moe_calls, c, True),
+      (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("embed", None), d * moe.num_experts, num_moe, 4, False),  # router, float32
       (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 1, 4, False),
       (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
