@@ -248,7 +248,6 @@ def test_unknown_tier_or_preset_is_one_config_error():
     ParallelPlan.for_mesh(mesh, "pp")
 
 
-
 def test_the_layer_schedule_is_in_the_plan_and_odd_rows_are_one_config_error():
   config = _config("ep", layer_schedule="two_halves")  # 16 rows over 8 batch shards: 2 per device
   plan = ParallelPlan.build(config, make_mesh(config.mesh))
