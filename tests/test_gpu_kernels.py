@@ -180,6 +180,41 @@ def test_tokamax_grouped_ffn_matches_a_float32_loop_over_experts():
   assert _mosaic_calls(text) >= 4, "tokamax's GPU kernels did not run"
 
 
+# The weight gradient alone, dw[g] = x_g^T dy_g (a ragged contraction), as the MoE path computes it
+# (tokamax_gemm.ragged_matmul's backward, the plan's contraction kernel): on a lent H200 (2026-11-26) it was
+# 0.22 off where every other path gave bfloat16 rounding (experiments/benchmarks/RESULTS.md). Uneven groups
+# with an empty one at a small size, and moe_1b's shapes with balanced groups (the measured case).
+WEIGHT_GRADIENT_CASES = {"uneven": (1024, 256, 256, 8, False), "moe_1b": (16384, 1024, 512, 32, True)}
+
+
+@pytest.mark.parametrize("case", list(WEIGHT_GRADIENT_CASES))
+def test_tokamax_weight_gradient_matches_float32(case):
+  rows, d, f, e, balanced = WEIGHT_GRADIENT_CASES[case]
+  kernels = _tokamax_kernels()
+  rng = np.random.default_rng(3)
+  if balanced:
+    sizes = np.full(e, rows // e)
+  else:
+    ids = rng.choice(e, rows, p=np.arange(1, e + 1) / np.arange(1, e + 1).sum())
+    ids[ids == 2] = 3  # expert 2 gets nothing
+    sizes = np.bincount(ids, minlength=e)
+  keys = jax.random.split(jax.random.key(3), 2)
+  x = jax.random.normal(keys[0], (rows, d), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[1], (rows, f), jnp.float32).astype(jnp.bfloat16)
+
+  @jax.jit
+  def weight_gradient(x, dy, sizes):
+    w = jnp.zeros((e, d, f), jnp.bfloat16)
+    return jax.vjp(lambda w: tokamax_gemm.ragged_matmul(x, w, sizes, kernels), w)[1](dy)[0]
+
+  got = weight_gradient(x, dy, jnp.asarray(sizes, jnp.int32))
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  x32, dy32 = np.asarray(x, np.float32), np.asarray(dy, np.float32)
+  want = np.stack([x32[lo:hi].T @ dy32[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+  assert got.dtype == jnp.bfloat16
+  assert_close(np.asarray(got, np.float32), want, BF16_RTOL, f"tokamax {kernels.contraction} weight gradient")
+
+
 @pytest.mark.parametrize("gemm", ["ragged_dot", "blocked"])
 def test_xla_grouped_ffns_match_a_float32_loop_over_experts(gemm):
   """The GEMMs the plan falls back to on GPUs: the same check, a control for the tokamax test."""
