@@ -36,6 +36,8 @@ from meshmoe.models.mla import LatentAttention
 from meshmoe.models.moe import MoEBlock, MoEStats, merge_halves
 from meshmoe.models.router import update_expert_bias
 from meshmoe.sharding import shardings
+from meshmoe.sharding.gradient_sync import later_use
+from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.shardings import constrain
 
 _RESIDUAL = ("act_batch", "act_seq", "act_embed")
@@ -50,19 +52,21 @@ class DecoderLayer(nnx.Module):
     self.ffn = (SwiGLU(cfg.embed_dim, cfg.mlp_dim, std=cfg.init_std, rngs=rngs) if dense
                 else MoEBlock(cfg, rngs=rngs))
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
+               residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
     x_BSD = self._attention_block(x_BSD, positions_BS)
     if isinstance(self.ffn, MoEBlock):
-      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS)
+      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, residual)
     else:
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
     return constrain(x_BSD + y_BSD, _RESIDUAL), stats
 
-  def two_halves(self, halves: Halves) -> tuple[Halves, MoEStats]:
+  def two_halves(self, halves: Halves, residual: ExpertWeights | None = None) -> tuple[Halves, MoEStats]:
     """The MoE layer on two halves of the rows (module docstring), the same function as `__call__` on the
     whole. Order: A's attention and routing; B's attention while A's tokens travel to their experts; A's
     experts while B's tokens travel; B's experts while A's outputs return. XLA's scheduler places each
-    exchange beside the other half's compute; the barriers below keep the halves from being merged."""
+    exchange beside the other half's compute; the barriers below keep the halves from being merged.
+    `residual` (error feedback, gradient_sync.py) enters with A; B's use adds none (`later_use`)."""
     (xa_BSD, xb_BSD), (positions_a_BS, positions_b_BS) = halves
     xa_BSD = self._attention_block(xa_BSD, positions_a_BS)
     na_BSD = self.ffn_norm(xa_BSD)
@@ -71,11 +75,11 @@ class DecoderLayer(nnx.Module):
     # router's, the projections') into one, which waits for both halves: A's dispatch would then wait for
     # B's attention instead of running beside it.
     xb_BSD, na_BSD, choice_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, choice_a))
-    ya_BSD = self.ffn.routed_experts(na_BSD, choice_a)
+    ya_BSD = self.ffn.routed_experts(na_BSD, choice_a, residual)
     xb_BSD = self._attention_block(xb_BSD, positions_b_BS)
     nb_BSD = self.ffn_norm(xb_BSD)
     choice_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS)
-    yb_BSD = self.ffn.routed_experts(nb_BSD, choice_b)
+    yb_BSD = self.ffn.routed_experts(nb_BSD, choice_b, later_use(residual))
     if self.ffn.shared is not None:
       ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
       nb_BSD, ya_BSD = jax.lax.optimization_barrier((nb_BSD, ya_BSD))  # the same for the shared experts
@@ -122,24 +126,29 @@ class LayerStack(nnx.Module):
     self.remat = cfg.remat
     self.moe = not dense
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, MoEStats | None]:
-    """Runs the layers in order; MoE statistics come back stacked, one row per layer."""
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
+               residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
+    """Runs the layers in order; MoE statistics come back stacked, one row per layer. `residual`: each MoE
+    layer's error-feedback input ([layers, ...] per expert weight; gradient_sync.py), or None."""
 
     # A plain lax.scan over the split state: the forward pass reads the variables and mutates none, and
     # nnx.scan would refuse variables that come from an outer trace (the selection bias in a train step).
     graphdef, stacked = nnx.split(self.layer)
     if not (self.moe and _two_halves()):
 
-      def one_layer(x_BSD, state):
-        return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS)
+      def one_layer(x_BSD, layer):
+        state, residual = layer
+        return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS,
+                      residual)
 
-      return jax.lax.scan(one_layer, x_BSD, stacked)
+      return jax.lax.scan(one_layer, x_BSD, (stacked, residual))
 
-    def one_layer_in_halves(halves, state):
-      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves)
+    def one_layer_in_halves(halves, layer):
+      state, residual = layer
+      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, residual)
 
     halves = (split_halves(x_BSD, _RESIDUAL), split_halves(positions_BS, _RESIDUAL[:2]))
-    ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, stacked)
+    ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, (stacked, residual))
     return join_halves(xa_BSD, xb_BSD, _RESIDUAL), stats
 
 
@@ -178,10 +187,10 @@ class Transformer(nnx.Module):
       logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.unembed_DV[...])
     return constrain(logits_BSV, output.LOGITS), aux
 
-  def hidden_states(self, tokens_BS: jax.Array,
-                    positions_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
+  def hidden_states(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+                    residual: ExpertWeights | None = None) -> tuple[jax.Array, ModelAux]:
     """The final-normed float32 hidden states [B, S, D], which the output layer turns into logits, and the
-    MoE statistics."""
+    MoE statistics. `residual`: the MoE layers' error-feedback inputs (LayerStack), given by train steps."""
     dtype = jnp.dtype(self.cfg.dtype)
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
@@ -190,7 +199,7 @@ class Transformer(nnx.Module):
       x_BSD, _ = self.dense_layers(x_BSD, positions_BS)
     stats = None
     if self.moe_layers is not None:
-      x_BSD, stats = self.moe_layers(x_BSD, positions_BS)
+      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, residual)
     return self.final_norm(x_BSD).astype(jnp.float32), _collect(stats, self.cfg.moe.num_experts)
 
   def output_weight(self) -> tuple[jax.Array, bool]:
@@ -230,7 +239,8 @@ def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
 
 
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
-                  mask_BS: jax.Array | None = None, positions_BS: jax.Array | None = None) -> dict[str, jax.Array]:
+                  mask_BS: jax.Array | None = None, positions_BS: jax.Array | None = None,
+                  residual: ExpertWeights | None = None) -> dict[str, jax.Array]:
   """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly.
 
   The loss is a sum over tokens, so their order does not matter: a caller may permute tokens, targets and
@@ -240,7 +250,7 @@ def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Arra
   The cross-entropy is computed from the final hidden states in chunks of tokens (models/output.py), so
   the float32 logits [B, S, V] never exist whole at a large vocabulary (`ModelConfig.logits_chunk_bytes`)."""
   mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
-  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS)
+  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, residual)
   weight, tied = model.output_weight()
   ce_sum = output.cross_entropy_sum(x_BSD, weight, targets_BS, mask_BS, tied=tied,
                                     chunk_bytes=model.cfg.logits_chunk_bytes)

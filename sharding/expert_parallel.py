@@ -49,21 +49,24 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import exchange_formats, grouped_ffn, moe_pipeline, parallel
+from meshmoe.sharding import exchange_formats, gradient_sync, grouped_ffn, moe_pipeline, parallel
 from meshmoe.sharding.grouped_ffn import Activation, ExpertWeights
 from meshmoe.sharding.plan import ExpertChoice, ExpertLayout, Hardware, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.shardings import current
 
 
 def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w: ExpertWeights,
-            activation: Activation) -> jax.Array:
+            activation: Activation, residual: ExpertWeights | None = None) -> jax.Array:
   """sum_k weights_BSK[..., k] * FFN_{experts_BSK[..., k]}(x_BSD), each expert's FFN being
   down(activation(x @ gate, x @ up)); assignments with expert id E (the number of experts) contribute
-  nothing. Runs as the active plan says; with none, on one device with the platform's grouped GEMM."""
+  nothing. Runs as the active plan says; with none, on one device with the platform's grouped GEMM.
+  Where the plan compresses the weights' gradient sum over `data`, `residual` ([D, ...] per weight, or None)
+  is its error-feedback input (sharding/gradient_sync.py)."""
   plan = current()
   if plan is None:
     hardware = Hardware.of(jax.devices()[0])
@@ -72,7 +75,16 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
     return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation, gemm, kernels=kernels)
   lay = plan.expert_layout()
 
+  w_specs = ExpertWeights(lay.gate_spec, lay.gate_spec, lay.down_spec)
+  compressed = plan.gradient_compression != "none"
+  if compressed:  # one copy per data replica, whose gradients gradient_sync sums
+    w = gradient_sync.per_replica(w, residual, plan.mesh, w_specs, plan.gradient_compression)
+    w_specs = jax.tree.map(lambda spec: PartitionSpec(gradient_sync.DATA, *spec), w_specs,
+                           is_leaf=lambda x: isinstance(x, PartitionSpec))
+
   def body(x_BSD, experts_BSK, weights_BSK, w):
+    if compressed:
+      w = jax.tree.map(lambda a: a[0], w)
     if lay.gather:
       x_BSD, experts_BSK, weights_BSK = (jax.lax.all_gather(a, lay.gather, axis=lay.token_dim, tiled=True)
                                          for a in (x_BSD, experts_BSK, weights_BSK))
@@ -89,7 +101,6 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
       y_BSD = jax.lax.psum(y_BSD, lay.reduce)
     return y_BSD
 
-  w_specs = ExpertWeights(lay.gate_spec, lay.gate_spec, lay.down_spec)
   x_spec = lay.token_spec
   return parallel.shard_map(plan, body, (x_spec, x_spec, x_spec, w_specs), x_spec)(
       x_BSD, experts_BSK, weights_BSK, w)

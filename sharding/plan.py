@@ -31,7 +31,8 @@ Implementation names, per op (each op module holds the table that maps them to c
   in `chunks` pipelined chunks; each exchange in its wire format, `dispatch_formats`/`combine_formats`),
   "fused" (the two Comet kernels);
 - gradient synchronisation (`gradients`): "xla" (XLA's all-reduce, inside each op's backward pass and by
-  GSPMD for the weights outside the ops).
+  GSPMD for the weights outside the ops), or the routed experts' sum over `data` compressed: "bfloat16",
+  "int8", "sign" (sharding/gradient_sync.py; the other weights' as "xla").
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import attention_kernels, exchange_formats, parallel, rules, tokamax_gemm
+from meshmoe.sharding import attention_kernels, exchange_formats, gradient_sync, parallel, rules, tokamax_gemm
 from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
 from meshmoe.sharding.parallel import Axes
 from meshmoe.sharding.rules import Preset, logical_to_spec
@@ -247,6 +248,16 @@ class ParallelPlan:
     """Whether MoE layers run their rows in two halves (ParallelConfig.layer_schedule)."""
     layer = self.ops.get("layer")
     return layer.implementation == "two_halves" if layer else self.parallel.layer_schedule == "two_halves"
+
+  @property
+  def gradient_compression(self) -> str:
+    """How the routed experts' gradients are summed over `data` (ParallelConfig.gradient_compression)."""
+    return self.parallel.gradient_compression
+
+  @property
+  def gradient_feedback(self) -> bool:
+    """Whether that sum keeps an error-feedback residual (low-bit formats with it asked for)."""
+    return self.gradient_compression in gradient_sync.LOW_BIT and self.parallel.gradient_error_feedback
 
   # --- Placement ----------------------------------------------------------------------------------------
 
@@ -517,9 +528,31 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
     width = moe.expert_mlp_dim // plan.axis_size(lay.width_axes)
     ops["moe"] = plan.expert_ffn(lay.ep, m.embed_dim, width, dtype)
     ops["layer"] = _layer_schedule(plan, config, ops["moe"])
-  ops["gradients"] = OpChoice("xla", "all-reduce over the devices that hold different tokens (in the ops' "
-                              "backward passes; GSPMD's outside them)")
+  ops["gradients"] = _gradient_sync(plan, config)
   return ops
+
+
+def _gradient_sync(plan: ParallelPlan, config: Config) -> OpChoice:
+  """How gradients are summed over the replicas (ParallelConfig.gradient_compression, gradient_sync.py)."""
+  p = plan.parallel
+  exact = ("all-reduce over the devices that hold different tokens (in the ops' backward passes; GSPMD's "
+           "outside them)")
+  if p.gradient_compression == "none":
+    return OpChoice("xla", exact)
+  m = config.model
+  if m.num_layers == m.num_dense_layers:
+    problem = "the model has no MoE layers, whose experts' gradients it compresses"
+  elif plan.mesh.shape.get(gradient_sync.DATA, 1) == 1:
+    problem = "the mesh has data=1: there are no data-parallel replicas to sum over"
+  elif gradient_sync.DATA in parallel.all_axes(plan.expert_layout().gate_spec):
+    problem = f"preset {plan.preset!r} splits the experts over `data`, so their gradients are not summed over it"
+  else:
+    feedback = p.gradient_compression in gradient_sync.LOW_BIT and p.gradient_error_feedback
+    return OpChoice(p.gradient_compression, (
+        f"the routed experts' gradients summed over data ({plan.mesh.shape[gradient_sync.DATA]} replicas) in "
+        f"{p.gradient_compression}{', with error feedback' if feedback else ''}; the other weights': {exact}"))
+  raise ConfigError("parallel.gradient_compression", p.gradient_compression,
+                    f"{problem}; use 'none'")
 
 
 def _layer_schedule(plan: ParallelPlan, config: Config, moe: OpChoice) -> OpChoice:

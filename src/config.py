@@ -34,6 +34,8 @@ EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchan
 REMAT_POLICIES = ("none", "full", "dots")
 # How an MoE layer orders its attention and MoE (models/decoder.py).
 LAYER_SCHEDULES = ("sequential", "two_halves")
+# How the routed experts' gradients are summed over `data` (sharding/gradient_sync.py).
+GRADIENT_COMPRESSIONS = ("none", "bfloat16", "int8", "sign")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
 NAN_POLICIES = ("halt", "skip")
 
@@ -177,6 +179,15 @@ class ParallelConfig:
   # (inter-operator overlap, as in MegaScale-MoE). Same results: attention, routing and expert capacity are
   # per sequence. Needs an even number of rows per device; applies where the MoE exchanges tokens.
   layer_schedule: str = "sequential"
+  # How the routed experts' gradients are summed over the data-parallel replicas (sharding/gradient_sync.py):
+  # "none" (as computed), "bfloat16", "int8" (a float32 scale per 128 values; about a quarter of float32's
+  # bytes) or "sign" (1 bit per value and a scale per 128 values, then int8: about a seventh). The other
+  # weights' gradients are summed in full precision. Needs MoE layers whose experts are not split over
+  # `data`, and data > 1.
+  gradient_compression: str = "none"
+  # For "int8" and "sign": keep what each device's compression lost and add it to its next gradient (a
+  # float32 copy of the device's expert weights, checkpointed). Without it "sign" does not converge.
+  gradient_error_feedback: bool = True
   # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, reductions
   # pipelined across loop iterations, combining), "overlap_double_buffered" (also double-buffered loops: more
   # memory), "overlap_windowed_einsum" or "none" (XLA's defaults).
@@ -195,6 +206,8 @@ class ParallelConfig:
     for name in EXCHANGE_FORMAT_FIELDS:
       _check_choice(f"parallel.{name}", getattr(self, name), EXCHANGE_FORMATS)
     _check_choice("parallel.layer_schedule", self.layer_schedule, LAYER_SCHEDULES)
+    _check_choice("parallel.gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
+    _check_bool("parallel.gradient_error_feedback", self.gradient_error_feedback)
     _check_choice("parallel.xla_flags", self.xla_flags, XLA_FLAG_PRESETS)
     return self
 

@@ -106,15 +106,22 @@ def records(workdir: pathlib.Path, kinds=("train", "eval")) -> list[dict]:
 
 
 def checkpoint_arrays(workdir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
-  """Every array of the TrainState saved at `step`, by path, read back as numpy."""
+  """Every array of the TrainState saved at `step` (and of its error-feedback residual, where it has one),
+  by path, read back as numpy."""
   import orbax.checkpoint as ocp
 
-  path = workdir / "checkpoints" / str(step) / "state"
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    tree = checkpointer.metadata(path).item_metadata.tree
-    restored = checkpointer.restore(
-        path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
-  return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+  arrays = {}
+  for item in ("state", "grad_residual"):
+    path = workdir / "checkpoints" / str(step) / item
+    if not path.is_dir():
+      continue
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      tree = checkpointer.metadata(path).item_metadata.tree
+      restored = checkpointer.restore(
+          path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    prefix = "" if item == "state" else item
+    arrays |= {prefix + jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+  return arrays
 
 
 def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:

@@ -81,10 +81,12 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
            "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS, "parallel.layer_schedule": config_lib.LAYER_SCHEDULES,
+           "parallel.gradient_compression": config_lib.GRADIENT_COMPRESSIONS,
            **{f"parallel.{name}": config_lib.EXCHANGE_FORMATS for name in config_lib.EXCHANGE_FORMAT_FIELDS},
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
 BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
-         "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save"]
+         "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save",
+         "parallel.gradient_error_feedback"]
 
 BAD: dict[str, st.SearchStrategy] = {
     **{f: positive_int_bad() for f in POSITIVE_INTS},

@@ -108,6 +108,21 @@ def test_cost_model_matches_compiled_step_with_two_halves(sizes, preset, impl):
   _check_against_compiled_step(config.validate(8))
 
 
+# The routed experts' gradients summed over `data` compressed (sharding/gradient_sync.py): an all-to-all and an
+# all-gather of int8 or packed signs with their scales, or a bfloat16 all-reduce (megascale checks those).
+GRADIENT_SYNC = [((2, 4, 1, 1), "ep", "xla", "int8"), ((2, 4, 1, 1), "ep", "reference", "sign"),
+                 ((2, 2, 1, 2), "megascale", "xla", "bfloat16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,impl,compression", GRADIENT_SYNC,
+                         ids=[f"{p}-{i}-{c}" for _, p, i, c in GRADIENT_SYNC])
+def test_cost_model_matches_compiled_step_with_compressed_gradients(sizes, preset, impl, compression):
+  config = _config(sizes, preset, "allgather", "none", impl)
+  config.parallel.gradient_compression = compression
+  _check_against_compiled_step(config.validate(8))
+
+
 ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]
 
 

@@ -56,7 +56,7 @@ def test_the_config_lists_the_tiers_and_kernel_backends_the_plan_knows():
 def test_every_choice_is_an_implementation_of_its_op(preset, impl):
   tables = {"attention": context_parallel.IMPLEMENTATIONS, "project_in": tensor_parallel.PROJECT_IN,
             "project_out": tensor_parallel.PROJECT_OUT, "moe": expert_parallel.IMPLEMENTATIONS,
-            "gradients": {"xla"}, "layer": config_lib.LAYER_SCHEDULES}
+            "gradients": {"xla", *config_lib.GRADIENT_COMPRESSIONS[1:]}, "layer": config_lib.LAYER_SCHEDULES}
   for attention in config_lib.ATTENTION_KINDS:
     config = _config(preset, impl, attention=attention, kernel_backend="collectives")
     config.model.num_heads, config.model.num_kv_heads = 8, 4  # Ulysses splits them over 4 devices

@@ -1,4 +1,5 @@
-"""Convergence with compressed communication: tiny_moe's final eval loss, exact against each compressed option.
+"""Convergence with compressed communication: tiny_moe's final eval loss, exact against each compressed option
+(low-precision token exchanges, and compressed gradient sums with and without error feedback).
 
   .venv/bin/python -m experiments.benchmarks.compression_convergence [--steps=300] [--variants=a,b]
       [--seeds=0,1] [--workdir=/tmp/compression_convergence]
@@ -31,6 +32,14 @@ VARIANTS = {
     "fp8_exchanges_and_grads": [f"--config.parallel.moe_dispatch_dtype={FP8}",
                                 f"--config.parallel.moe_combine_dtype={FP8}",
                                 f"--config.parallel.moe_exchange_grad_dtype={FP8}"],
+    # The routed experts' gradients summed over `data` compressed (sharding/gradient_sync.py).
+    "grad_bf16": ["--config.parallel.gradient_compression=bfloat16"],
+    "grad_int8": ["--config.parallel.gradient_compression=int8"],
+    "grad_int8_no_feedback": ["--config.parallel.gradient_compression=int8",
+                              "--config.parallel.gradient_error_feedback=false"],
+    "grad_sign": ["--config.parallel.gradient_compression=sign"],
+    "grad_sign_no_feedback": ["--config.parallel.gradient_compression=sign",
+                              "--config.parallel.gradient_error_feedback=false"],
 }
 # Experts over 4 devices (tiny_moe's default mesh is data-parallel only: nothing would be exchanged).
 COMMON = ["--config=experiments/configs/tiny_moe.py", "--config.mesh.data=2", "--config.mesh.expert=4",

@@ -11,7 +11,9 @@ Weight gradients: a weight that enters an op whole on devices that compute diffe
 gradient summed over those devices inside the op's backward (an all-reduce per micro-batch); that is data
 parallelism's gradient all-reduce (twice per MoE layer under the two-halves layer schedule, which calls
 each op once per half). Weights outside the explicit ops (embedding, output projection, router,
-norms) are handled by GSPMD the same way.
+norms) are handled by GSPMD the same way. Where the plan compresses the routed experts' sum over `data`
+(sharding/gradient_sync.py), that part is its all-to-all and all-gather (or a bfloat16 all-reduce) per use,
+and only the other token axes' all-reduce stays.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
 GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
-from meshmoe.sharding import exchange_formats, expert_parallel, moe_pipeline
+from meshmoe.sharding import exchange_formats, expert_parallel, gradient_sync, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan, attention_weights, attention_width, projection_blocks
 
 
@@ -266,18 +268,26 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   # Devices that differ only along axes the tokens are not split over (megascale's `tensor`) compute the
   # same gradient: the sum runs over the token axes that do not also split the weight.
   token_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
-  totals: dict[int, float] = collections.defaultdict(float)
+  totals: dict[tuple[str, int], float] = collections.defaultdict(float)
+  compression = lay.plan.gradient_compression
   for names, elements, layers, itemsize, in_op in weights:
     if not elements or not layers:
       continue
     weight_axes = {a for dim in lay.weight(*names) for a in dim}
     shards = lay.size(tuple(weight_axes))
-    group = lay.size(tuple(token_axes - weight_axes))
-    repeats = t.grad_accum_steps if in_op else 1
-    totals[group] += repeats * layers * moved_bytes("all-reduce", group, elements * itemsize / shards)
-  for group, nbytes in totals.items():
+    summed = token_axes - weight_axes
+    repeats = (t.grad_accum_steps if in_op else 1) * layers
+    if compression != "none" and "exp" in names:  # exact over the other axes, then compressed over `data`
+      summed = summed - {gradient_sync.DATA}
+      replicas = lay.size((gradient_sync.DATA,))
+      for kind, nbytes in gradient_sync.result_bytes(elements // 3 // shards, compression, replicas,
+                                                       lay.plan.hardware.platform).items():
+        totals[kind, replicas] += repeats * 3 * moved_bytes(kind, replicas, nbytes)
+    group = lay.size(tuple(summed))
+    totals["all-reduce", group] += repeats * moved_bytes("all-reduce", group, elements * itemsize / shards)
+  for (kind, group), nbytes in totals.items():
     if group > 1:
-      costs.append(CollectiveCost("gradients", "all-reduce", group, nbytes))
+      costs.append(CollectiveCost("gradients", kind, group, nbytes))
 
 
 def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:

@@ -3,7 +3,8 @@
 - Parameters, gradients and optimizer state: exact, from each variable's shape and its placement under the
   preset (parameters and gradients by the parameter rules, AdamW's two moments by the optimizer rules:
   ZeRO-1 and FSDP split them, data parallelism replicates them). All float32; with gradient accumulation
-  the gradients twice (the running sum and the current micro-batch's).
+  the gradients twice (the running sum and the current micro-batch's). Counted with the optimizer state:
+  the error-feedback residual of a compressed gradient sum (one float32 copy of the device's expert weights).
 - Activations kept for the backward pass of one micro-batch, by remat policy:
   `none` keeps every layer's intermediates; `full` keeps each layer's input and rebuilds one layer at a
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
@@ -64,8 +65,17 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
     activations += _layer_weight_copies(config, plan, shapes, names)
   # With gradient accumulation the micro-batch loop carries the float32 sum beside each micro-batch's.
   gradients = param_bytes * (2 if config.train.grad_accum_steps > 1 else 1)
-  return MemoryCost(params=param_bytes, gradients=gradients, optimizer=2 * placed_bytes(plan.optimizer_spec),
-                    activations=activations)
+  optimizer = 2 * placed_bytes(plan.optimizer_spec) + _gradient_residual_bytes(config, plan, shapes, names)
+  return MemoryCost(params=param_bytes, gradients=gradients, optimizer=optimizer, activations=activations)
+
+
+def _gradient_residual_bytes(config: Config, plan: ParallelPlan, shapes, names) -> float:
+  """The error-feedback residual of a compressed gradient sum (gradient_sync.py), kept beside the optimizer
+  state: a float32 copy of each device's routed-expert weights as the MoE op holds them."""
+  if not plan.gradient_feedback:
+    return 0.0
+  return sum(4 * math.prod(shape) / _shards(plan, plan.weight_spec(n)) for shape, n in zip(shapes, names)
+             if "exp" in n)
 
 
 def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:

@@ -1,10 +1,15 @@
 """Checkpoints with orbax: the TrainState, the data-iterator position and a fingerprint, saved asynchronously.
 
-Layout: `<workdir>/checkpoints/<step>/{state,data,run_state}`. `state` is the TrainState pytree (restored
-straight into the shardings of the current mesh, so a run can resume on a different layout); `data` is the
-JSON state of the training data iterator, so a resumed run sees exactly the batches it would have seen;
-`run_state` holds the count of skipped non-finite steps and a fingerprint of every array of `state`. The
-newest `checkpoint.keep` checkpoints are kept. Every process calls save and restore; orbax coordinates them.
+Layout: `<workdir>/checkpoints/<step>/{state,data,run_state[,grad_residual]}`. `state` is the TrainState
+pytree (restored straight into the shardings of the current mesh, so a run can resume on a different
+layout); `data` is the JSON state of the training data iterator, so a resumed run sees exactly the batches it
+would have seen; `run_state` holds the count of skipped non-finite steps and a fingerprint of every array
+of `state`. The newest `checkpoint.keep` checkpoints are kept. Every process calls save and restore; orbax
+coordinates them.
+
+The error-feedback residual of a compressed gradient sum (TrainState.grad_residual) is its own item, so a
+run can turn compression on or off when it resumes: a residual the checkpoint lacks starts from zero (said
+in a message), one the run no longer keeps is left on disk.
 
 Restoring never trusts the newest checkpoint blindly. `restore_latest` tries the checkpoints newest first:
 one that cannot be read (a truncated or deleted file, garbled metadata) or whose arrays do not match their
@@ -32,6 +37,13 @@ import orbax.checkpoint as ocp
 from meshmoe.config import CheckpointConfig
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+_RESIDUAL = "grad_residual"  # TrainState's field, and the checkpoint item that holds it
+
+
+def _without_residual(state: Any) -> tuple[Any, Any]:
+  """(the state without its error-feedback residual, the residual or None)."""
+  residual = getattr(state, _RESIDUAL, None)
+  return (state if residual is None else dataclasses.replace(state, grad_residual=None)), residual
 
 
 class CheckpointError(RuntimeError):
@@ -61,10 +73,13 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: dict, skipped_steps: int = 0) -> None:
     """Starts saving (returns before the write finishes when async); `wait` blocks until it is on disk."""
+    core, residual = _without_residual(state)
     run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state)}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-                              run_state=ocp.args.JsonSave(run_state))
-    self._manager.save(step, args=args, force=True)
+    items = dict(state=ocp.args.StandardSave(core), data=ocp.args.JsonSave(data_state),
+                 run_state=ocp.args.JsonSave(run_state))
+    if residual is not None:
+      items[_RESIDUAL] = ocp.args.StandardSave(residual)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, target_state: Any) -> Restored:
     """Restores checkpoint `step` into the shapes, dtypes and shardings of `target_state`, verified against
@@ -106,24 +121,54 @@ class Checkpointer:
     self._manager.close()
 
   def _read(self, step: int, target_state: Any) -> tuple[Restored | None, str | None]:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target_state)
-    items = {"state": ocp.args.StandardRestore(abstract), "data": ocp.args.JsonRestore()}
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    core, residual = _without_residual(target_state)
+    items = {"state": ocp.args.StandardRestore(abstract(core)), "data": ocp.args.JsonRestore()}
     has_run_state = (self.directory / str(step) / "run_state").is_dir()  # older checkpoints have none
     if has_run_state:
       items["run_state"] = ocp.args.JsonRestore()
+    saved_residual = residual is not None and self._residual_fits(step, residual)
+    if saved_residual:
+      items[_RESIDUAL] = ocp.args.StandardRestore(abstract(residual))
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax and tensorstore raise many types; each means "this one is unreadable"
       return None, _summary(e)
     run_state = out.run_state if has_run_state else {}
-    return Restored(step, out.state, out.data, run_state.get("skipped_steps", 0),
-                    run_state.get("fingerprints")), None
+    saved = run_state.get("fingerprints")
+    state = out.state
+    if saved_residual:
+      state = dataclasses.replace(state, grad_residual=out[_RESIDUAL])
+    elif residual is not None:
+      state = dataclasses.replace(state, grad_residual=jax.tree.map(
+          lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), residual))
+    if saved is not None and not saved_residual:  # what is not restored is not checked
+      saved = {name: value for name, value in saved.items() if not name.startswith(_RESIDUAL)}
+    return Restored(step, state, out.data, run_state.get("skipped_steps", 0), saved), None
+
+  def _residual_fits(self, step: int, residual: Any) -> bool:
+    """Whether checkpoint `step` holds an error-feedback residual of `residual`'s shapes; says why not when
+    it does not (saved without feedback, or for another number of data replicas): it then starts from zero."""
+    path = self.directory / str(step) / _RESIDUAL
+    if not path.is_dir():
+      reason = "none (saved without parallel.gradient_compression's error feedback)"
+    else:
+      with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+      saved, wanted = _shapes_by_name(tree), _shapes_by_name(residual)
+      if saved == wanted:
+        return True
+      reason = f"one of shapes {saved}, not {wanted} (another mesh)"
+    print(f"note: checkpoint {step} holds {reason} for the error-feedback residual of the experts' compressed "
+          "gradient sum: it starts from zero", flush=True)
+    return False
 
   def _verify(self, restored: Restored) -> str | None:
     saved = restored.saved_fingerprints
     if saved is None:
       return None
-    actual = fingerprints(restored.state)
+    actual = {name: value for name, value in fingerprints(restored.state).items()
+              if name in saved or not name.startswith(_RESIDUAL)}
     wrong = [name for name, value in actual.items() if saved.get(name) != value]
     if wrong or saved.keys() != actual.keys():
       listed = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
@@ -156,6 +201,12 @@ class _Manager(ocp.CheckpointManager):
 
   def reached_preemption(self, step: int) -> bool:
     return False
+
+
+def _shapes_by_name(tree: Any) -> dict[str, tuple[int, ...]]:
+  """Each leaf's shape by its path's last key (a residual restored as a dict or as its dataclass alike)."""
+  return {jax.tree_util.keystr(path[-1:], simple=True): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def fingerprints(state: Any) -> dict[str, int]:

@@ -13,10 +13,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshmoe.config import Config
 from meshmoe.models import hf_checkpoint
 from meshmoe.models.decoder import Transformer
+from meshmoe.sharding import gradient_sync
+from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.plan import ParallelPlan
 
 
@@ -78,3 +81,29 @@ def in_sequence_order(plan: ParallelPlan, tokens_BS: jax.Array, targets_BS: jax.
   positions_BS = jnp.broadcast_to(jnp.asarray(order_S), tokens_BS.shape)
   tokens_BS, targets_BS, mask_BS = (a[:, order_S] for a in (tokens_BS, targets_BS, mask_BS))
   return tokens_BS, targets_BS, mask_BS, positions_BS
+
+
+def abstract_gradient_residual(config: Config, plan: ParallelPlan) -> ExpertWeights | None:
+  """The error-feedback residual of the routed experts' compressed gradient sum (sharding/gradient_sync.py),
+  as jax.ShapeDtypeStructs with their shardings: float32 [MoE layers, data, *weight], each device holding
+  its replica's copy of its expert weights; None when the plan keeps none."""
+  m = config.model
+  if not plan.gradient_feedback:
+    return None
+  lay = plan.expert_layout()
+  e, d, f = m.moe.num_experts, m.embed_dim, m.moe.expert_mlp_dim
+  lead = (m.num_layers - m.num_dense_layers, plan.mesh.shape[gradient_sync.DATA])
+  placed = lambda shape, spec: jax.ShapeDtypeStruct(
+      (*lead, *shape), jnp.float32,
+      sharding=NamedSharding(plan.mesh, PartitionSpec(None, gradient_sync.DATA, *spec)))
+  return ExpertWeights(placed((e, d, f), lay.gate_spec), placed((e, d, f), lay.gate_spec),
+                       placed((e, f, d), lay.down_spec))
+
+
+def init_gradient_residual(config: Config, plan: ParallelPlan) -> ExpertWeights | None:
+  """`abstract_gradient_residual`, zeros: nothing lost yet."""
+  abstract = abstract_gradient_residual(config, plan)
+  if abstract is None:
+    return None
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
+  return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)()

@@ -2,7 +2,8 @@
 
 `TrainState` is everything a checkpoint must hold to continue a run exactly (the data-iterator position is
 saved beside it): step, float32 parameters, non-trainable variables (the experts' selection bias),
-optimizer state and a PRNG key that advances every step (sampling draws from it).
+optimizer state, a PRNG key that advances every step (sampling draws from it) and, where the experts'
+gradients are summed compressed with error feedback, each device's residual (sharding/gradient_sync.py).
 
 One step = `train.grad_accum_steps` micro-batches scanned in sequence, their gradients summed, then one
 optimizer update. The batch is split into micro-batches by striding (micro-batch i holds rows i, i + A,
@@ -30,10 +31,12 @@ from flax import nnx
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.runtime import nonfinite
+from meshmoe.sharding.gradient_sync import later_use
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
 from meshmoe.training import optimizer as optimizer_lib
-from meshmoe.training.model_state import (abstract_model_state, in_sequence_order, init_model, init_optimizer_state,
+from meshmoe.training.model_state import (abstract_gradient_residual, abstract_model_state, in_sequence_order,
+                                          init_gradient_residual, init_model, init_optimizer_state,
                                           optimizer_state_shardings)
 
 
@@ -44,6 +47,8 @@ class TrainState:
   others: Any  # nnx.State of the non-trainable variables
   opt_state: Any
   rng: jax.Array  # uint32[2] PRNG key
+  # Error feedback of the experts' compressed gradient sum (ExpertWeights of [layers, data, ...]), or None.
+  grad_residual: Any = None
 
 
 jax.tree_util.register_dataclass(TrainState)
@@ -73,7 +78,8 @@ def create(config: Config, plan: ParallelPlan, variables: tuple[Any, Any] | None
   replicated = plan.replicated()
   state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params, others=others,
                      opt_state=opt_state,
-                     rng=jax.device_put(jax.random.PRNGKey(config.train.seed), replicated))
+                     rng=jax.device_put(jax.random.PRNGKey(config.train.seed), replicated),
+                     grad_residual=init_gradient_residual(config, plan))
   return _trainer(graphdef, optimizer, config, plan, state), state
 
 
@@ -91,7 +97,8 @@ def create_abstract(config: Config, plan: ParallelPlan) -> tuple[Trainer, TrainS
   rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
                      others=others, opt_state=opt_state,
-                     rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated))
+                     rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated),
+                     grad_residual=abstract_gradient_residual(config, plan))
   return _trainer(graphdef, optimizer, config, plan, state), state
 
 
@@ -148,11 +155,13 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
   return {k: jnp.moveaxis(v.reshape(v.shape[0] // count, count, *v.shape[1:]), 1, 0) for k, v in batch.items()}
 
 
-def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: ParallelPlan) -> dict[str, jax.Array]:
-  """The loss terms of one (micro-)batch (decoder.lm_loss_terms), traced under `plan`."""
+def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: ParallelPlan,
+               residual=None) -> dict[str, jax.Array]:
+  """The loss terms of one (micro-)batch (decoder.lm_loss_terms), traced under `plan`; `residual`: the
+  error-feedback input of the experts' compressed gradient sum (its gradient is the new residual)."""
   with use_plan(plan):
     tokens, targets, mask, positions = in_sequence_order(plan, batch["inputs"], batch["targets"], batch["mask"])
-    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions)
+    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions, residual)
 
 
 def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: ParallelPlan, shardings) -> Callable:
@@ -163,21 +172,27 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     total_tokens = jnp.sum(batch["mask"])
 
-    def loss_of(params, micro):
-      terms = loss_terms(graphdef, params, state.others, micro, plan)
+    def loss_of(params, residual, micro):
+      terms = loss_terms(graphdef, params, state.others, micro, plan, residual)
       return combine_loss_terms(terms, moe, total_tokens, count), terms
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    # The residual's "gradient" is the new residual: what the compressed sums lost (gradient_sync.py).
+    grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     if count == 1:
-      (loss, terms), grads = grad_fn(state.params, batch)
+      (loss, terms), (grads, residual) = grad_fn(state.params, state.grad_residual, batch)
       terms = jax.tree.map(lambda x: x[None], terms)
     else:
-      def accumulate(carry, micro):
-        (loss, terms), grads = grad_fn(state.params, micro)
+      def accumulate(carry, indexed):
+        index, micro = indexed
+        # The old residual enters the first micro-batch's sums only; each adds what it loses.
+        fed = jax.tree.map(lambda old, later: jnp.where(index == 0, old, later), state.grad_residual,
+                           later_use(state.grad_residual))
+        (loss, terms), grads = grad_fn(state.params, fed, micro)
         return jax.tree.map(jnp.add, carry, (loss, grads)), terms
 
-      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-      (loss, grads), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (state.params, state.grad_residual)))
+      (loss, (grads, residual)), terms = jax.lax.scan(accumulate, zeros,
+                                                      (jnp.arange(count), _microbatches(batch, count)))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     grad_sq_norms = nonfinite.squared_norms(grads, stacked)
     grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
@@ -194,7 +209,8 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
       return params, others, opt_state
 
     kept = nonfinite.guard(finite, update, (state.params, state.others, state.opt_state))
-    new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0])
+    residual = jax.tree.map(lambda new, old: jnp.where(finite, new, old), residual, state.grad_residual)
+    new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0], residual)
     metrics = {
         "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
         "aux_loss": jnp.mean(terms["aux_loss"]), "z_loss": jnp.mean(terms["z_loss"]),
