@@ -65,8 +65,8 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   """sum_k weights_BSK[..., k] * FFN_{experts_BSK[..., k]}(x_BSD), each expert's FFN being
   down(activation(x @ gate, x @ up)); assignments with expert id E (the number of experts) contribute
   nothing. Runs as the active plan says; with none, on one device with the platform's grouped GEMM.
-  Where the plan compresses the weights' gradient sum over `data`, `residual` ([D, ...] per weight, or None)
-  is its error-feedback input (sharding/gradient_sync.py)."""
+  Where the plan compresses the weights' gradient sum over the replicas, `residual` ([R, ...] per weight, or
+  None) is its error-feedback input (sharding/gradient_sync.py)."""
   plan = current()
   if plan is None:
     hardware = Hardware.of(jax.devices()[0])
@@ -77,9 +77,10 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
 
   w_specs = ExpertWeights(lay.gate_spec, lay.gate_spec, lay.down_spec)
   compressed = plan.gradient_compression != "none"
-  if compressed:  # one copy per data replica, whose gradients gradient_sync sums
-    w = gradient_sync.per_replica(w, residual, plan.mesh, w_specs, plan.gradient_compression)
-    w_specs = jax.tree.map(lambda spec: PartitionSpec(gradient_sync.DATA, *spec), w_specs,
+  if compressed:  # one copy per replica, whose gradients gradient_sync sums
+    axes = plan.gradient_replica_axes
+    w = gradient_sync.per_replica(w, residual, plan.mesh, w_specs, plan.gradient_compression, axes)
+    w_specs = jax.tree.map(lambda spec: gradient_sync.replica_spec(spec, axes), w_specs,
                            is_leaf=lambda x: isinstance(x, PartitionSpec))
 
   def body(x_BSD, experts_BSK, weights_BSK, w):

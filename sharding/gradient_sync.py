@@ -1,29 +1,34 @@
-"""Compressed gradient synchronisation over `data`, with error feedback (`parallel.gradient_compression`).
+"""Compressed gradient synchronisation over the replicas, with error feedback (`parallel.gradient_compression`).
 
 What it covers: the routed experts' weights, the bulk of an MoE model's parameters and of its gradient
-bytes. Their gradient is summed over the data-parallel replicas inside the MoE op's backward pass (an
-all-reduce per micro-batch); here that sum travels compressed. The other weights' gradients (attention,
-embeddings, router, norms, shared experts) are summed by XLA as before, in full precision.
+bytes. Their gradient is summed inside the MoE op's backward pass (an all-reduce per micro-batch) over the
+"replica axes": the mesh axes that split the tokens but not the experts (`data`, and `sequence` where it
+splits the tokens, as in `megascale`; ParallelPlan.gradient_replica_axes). Here that sum travels
+compressed. The other weights' gradients (attention, embeddings, router, norms, shared experts) are summed
+by XLA as before, in full precision.
 
-How: under compression, `moe_ffn` (expert_parallel.py) gives its op one copy of the expert weights per data
-replica, `per_replica(w)`: [D, ...] split over `data`, which costs nothing (each device holds its replica's
-copy already). Inside the op each device's copy then differs from the others' only by name, so autodiff
-sums the gradient over every token axis except `data` there, and `per_replica`'s custom VJP receives each
-replica's own gradient, [D, ...] split over `data`. Its backward sums them over `data` compressed:
+How: under compression, `moe_ffn` (expert_parallel.py) gives its op one copy of the expert weights per
+replica, `per_replica(w)`: [R, ...] split over the replica axes, which costs nothing (each device holds
+its replica's copy already). Inside the op each device's copy then differs from the others' only by name,
+so autodiff does not sum the gradient over those axes there, and `per_replica`'s custom VJP receives each
+replica's own gradient, [R, ...] split over them. Its backward sums them compressed:
 
-- "bfloat16": a psum in bfloat16 of the float32 gradients (half the bytes of float32 on GPUs; XLA:CPU
-  promotes the all-reduce to float32, so there it saves nothing);
+- "bfloat16": a psum in bfloat16 (half the bytes of float32 gradients on GPUs; nothing saved where the
+  model computes in bfloat16, whose in-op sums are bfloat16 already; XLA:CPU promotes the all-reduce to
+  float32, so there it saves nothing either);
 - "int8": blocks of `BLOCK` values, each as int8 with a float32 scale (its largest magnitude / 127), in two
-  phases: an all-to-all gives each device every replica's int8 copy of its 1/D of the elements, which it
+  phases: an all-to-all gives each device every replica's int8 copy of its 1/R of the elements, which it
   dequantises and sums in float32, then re-quantises to int8 and all-gathers. Bytes per device: about
-  2 (D-1)/D bytes per element and 1/32 more for the scales, against a ring all-reduce's 8 (D-1)/D in float32;
+  2 (R-1)/R bytes per element and 1/32 more for the scales, against a ring all-reduce's 4 (R-1)/R in
+  bfloat16 or 8 (R-1)/R in float32;
 - "sign": the first phase sends each value's sign (1 bit, packed 8 to a byte) with one float32 scale per
   block (the block's mean magnitude: the scaled-sign compressor of EF-signSGD), the second phase int8.
 
 Error feedback (`parallel.gradient_error_feedback`, for the low-bit formats): each device keeps what its
 first-phase compression lost, e = v - C(v) for the value v it sent, and adds it to its next gradient
 before compressing, so nothing is lost for good (1-bit Adam, EF-SGD). The residual is float32, one copy of
-the device's expert weights per device, stored [layers, D, ...] split like the weights and over `data`,
+the device's expert weights per device, stored [layers, R, ...] split like the weights and over the replica
+axes,
 in the train state beside the optimizer state (checkpointed with it). It enters the computation as an
 input of `per_replica`, and its "gradient" is the new residual: the train step feeds it to the first use
 of each layer's weights and zero (with the same cotangent path) to the later ones (the micro-batches, the
@@ -43,18 +48,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-DATA = "data"  # the mesh axis whose gradient sum is compressed
 BLOCK = 128  # values per quantisation block; each block has one float32 scale
 LOW_BIT = ("int8", "sign")  # formats that lose enough to need error feedback
 
 
-def per_replica(w, residual, mesh, specs, compression: str):
-  """`w` (a pytree of weights, each placed as `specs` says inside the op) as one copy per data replica,
-  [D, *shape] split over `data`; the backward sums the replicas' gradients in `compression`, adding the
-  error-feedback `residual` (a pytree like `w`, [D, *shape] each; None: no feedback) before compressing
+def replica_spec(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+  """The spec of [R, *shape] copies of a weight placed as `spec`, one per replica over `axes`."""
+  return PartitionSpec(axes, *spec)
+
+
+def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...]):
+  """`w` (a pytree of weights, each placed as `specs` says inside the op) as one copy per replica over mesh
+  `axes`, [R, *shape]; the backward sums the replicas' gradients in `compression`, adding the
+  error-feedback `residual` (a pytree like `w`, [R, *shape] each; None: no feedback) before compressing
   and returning what the compression lost as the residual's cotangent."""
-  replicas = mesh.shape[DATA]
-  replica_specs = jax.tree.map(lambda spec: PartitionSpec(DATA, *spec), specs,
+  replicas = math.prod(mesh.shape[a] for a in axes)
+  replica_specs = jax.tree.map(lambda spec: replica_spec(spec, axes), specs,
                                is_leaf=lambda x: isinstance(x, PartitionSpec))
 
   def copies(w):
@@ -75,11 +84,12 @@ def per_replica(w, residual, mesh, specs, compression: str):
 
     def body(*args):
       gs, es = args[:len(leaves)], (args[len(leaves):] if feedback else [None] * len(leaves))
-      summed = [compressed_sum(g[0], None if e is None else e[0], compression, replicas) for g, e in zip(gs, es)]
+      summed = [compressed_sum(g[0], None if e is None else e[0], compression, axes, replicas)
+                for g, e in zip(gs, es)]
       return [total for total, _ in summed], [lost[None] for _, lost in summed]
 
     operands = leaves + (tree.flatten_up_to(residual) if feedback else [])
-    # check_vma=False: the sums are the same on every data replica (each dequantises the same gathered
+    # check_vma=False: the sums are the same on every replica (each dequantises the same gathered
     # bytes in the same order), which the out_specs state and the type system cannot see.
     totals, lost = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec_leaves * (2 if feedback else 1)),
                                  out_specs=(tree.flatten_up_to(specs), spec_leaves), check_vma=False)(*operands)
@@ -89,14 +99,14 @@ def per_replica(w, residual, mesh, specs, compression: str):
   return replicate(w, residual)
 
 
-def compressed_sum(g: jax.Array, residual: jax.Array | None, compression: str,
+def compressed_sum(g: jax.Array, residual: jax.Array | None, compression: str, axes: tuple[str, ...],
                    replicas: int) -> tuple[jax.Array, jax.Array]:
-  """(the sum over `data` of every replica's g, what this device's compression lost), per device inside
-  shard_map. `residual` (or zero) is added to g before compressing."""
+  """(the sum over mesh `axes` (`replicas` devices) of every replica's g, what this device's compression
+  lost), per device inside shard_map. `residual` (or zero) is added to g before compressing."""
   v = g.astype(jnp.float32) + (0.0 if residual is None else residual)
   if compression == "bfloat16":
     sent = v.astype(jnp.bfloat16)
-    return jax.lax.psum(sent, DATA).astype(jnp.float32), v - sent.astype(jnp.float32)
+    return jax.lax.psum(sent, axes).astype(jnp.float32), v - sent.astype(jnp.float32)
   if compression not in LOW_BIT:
     raise ValueError(f"unknown gradient compression {compression!r}; known: bfloat16, {', '.join(LOW_BIT)}")
   blocks = _blocks(v, replicas)  # [D, blocks per device, BLOCK]: device j sums the values of row j
@@ -104,11 +114,11 @@ def compressed_sum(g: jax.Array, residual: jax.Array | None, compression: str,
   payload, scales = quantise(blocks)
   lost = v - _unblocks(dequantise(payload, scales), v)
   # Phase 1: every replica's copy of my row, dequantised and summed in float32.
-  payload, scales = (jax.lax.all_to_all(a, DATA, 0, 0, tiled=False) for a in (payload, scales))
+  payload, scales = (jax.lax.all_to_all(a, axes, 0, 0, tiled=False) for a in (payload, scales))
   mine = jnp.sum(dequantise(payload, scales), axis=0)
   # Phase 2: each row's sum, as int8, to every replica.
   payload, scales = _quantise_int8(mine)
-  payload, scales = (jax.lax.all_gather(a, DATA, axis=0, tiled=False) for a in (payload, scales))
+  payload, scales = (jax.lax.all_gather(a, axes, axis=0, tiled=False) for a in (payload, scales))
   return _unblocks(_dequantise_int8(payload, scales), v), lost
 
 

@@ -31,8 +31,8 @@ Implementation names, per op (each op module holds the table that maps them to c
   in `chunks` pipelined chunks; each exchange in its wire format, `dispatch_formats`/`combine_formats`),
   "fused" (the two Comet kernels);
 - gradient synchronisation (`gradients`): "xla" (XLA's all-reduce, inside each op's backward pass and by
-  GSPMD for the weights outside the ops), or the routed experts' sum over `data` compressed: "bfloat16",
-  "int8", "sign" (sharding/gradient_sync.py; the other weights' as "xla").
+  GSPMD for the weights outside the ops), or the routed experts' sum over their replicas compressed:
+  "bfloat16", "int8", "sign" (sharding/gradient_sync.py; the other weights' as "xla").
 """
 
 from __future__ import annotations
@@ -251,8 +251,19 @@ class ParallelPlan:
 
   @property
   def gradient_compression(self) -> str:
-    """How the routed experts' gradients are summed over `data` (ParallelConfig.gradient_compression)."""
+    """How the routed experts' gradients are summed over their replicas (ParallelConfig.gradient_compression)."""
     return self.parallel.gradient_compression
+
+  @property
+  def gradient_replica_axes(self) -> Axes:
+    """The mesh axes over which the routed experts' gradients are summed: those that split the tokens but
+    not the experts (their devices hold the same expert weights and compute on other tokens); axes of size 1
+    are left out."""
+    lay = self.expert_layout()
+    expert_axes = parallel.all_axes(lay.gate_spec)
+    token_axes = parallel.all_axes(lay.token_spec)
+    return tuple(a for a in self.mesh.axis_names
+                 if a in token_axes and a not in expert_axes and self.mesh.shape[a] > 1)
 
   @property
   def gradient_feedback(self) -> bool:
@@ -540,17 +551,17 @@ def _gradient_sync(plan: ParallelPlan, config: Config) -> OpChoice:
   if p.gradient_compression == "none":
     return OpChoice("xla", exact)
   m = config.model
+  axes = plan.gradient_replica_axes
   if m.num_layers == m.num_dense_layers:
     problem = "the model has no MoE layers, whose experts' gradients it compresses"
-  elif plan.mesh.shape.get(gradient_sync.DATA, 1) == 1:
-    problem = "the mesh has data=1: there are no data-parallel replicas to sum over"
-  elif gradient_sync.DATA in parallel.all_axes(plan.expert_layout().gate_spec):
-    problem = f"preset {plan.preset!r} splits the experts over `data`, so their gradients are not summed over it"
+  elif plan.axis_size(axes) == 1:
+    problem = (f"under preset {plan.preset!r} on this mesh every device that holds an expert's weights computes "
+               "the same tokens' share of its gradient or holds other experts: there are no replicas to sum over")
   else:
-    feedback = p.gradient_compression in gradient_sync.LOW_BIT and p.gradient_error_feedback
+    feedback = " with error feedback" if plan.gradient_feedback else ""
     return OpChoice(p.gradient_compression, (
-        f"the routed experts' gradients summed over data ({plan.mesh.shape[gradient_sync.DATA]} replicas) in "
-        f"{p.gradient_compression}{', with error feedback' if feedback else ''}; the other weights': {exact}"))
+        f"the routed experts' gradients summed over {_describe_axes(plan, axes)} in {p.gradient_compression}"
+        f"{feedback}; the other weights': {exact}"))
   raise ConfigError("parallel.gradient_compression", p.gradient_compression,
                     f"{problem}; use 'none'")
 

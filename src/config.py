@@ -179,11 +179,12 @@ class ParallelConfig:
   # (inter-operator overlap, as in MegaScale-MoE). Same results: attention, routing and expert capacity are
   # per sequence. Needs an even number of rows per device; applies where the MoE exchanges tokens.
   layer_schedule: str = "sequential"
-  # How the routed experts' gradients are summed over the data-parallel replicas (sharding/gradient_sync.py):
-  # "none" (as computed), "bfloat16", "int8" (a float32 scale per 128 values; about a quarter of float32's
-  # bytes) or "sign" (1 bit per value and a scale per 128 values, then int8: about a seventh). The other
-  # weights' gradients are summed in full precision. Needs MoE layers whose experts are not split over
-  # `data`, and data > 1.
+  # How the routed experts' gradients are summed over their replicas, the devices that hold the same experts
+  # and compute on other tokens (`data`, and `sequence` where it splits the tokens; sharding/gradient_sync.py):
+  # "none" (as computed: float32, or bfloat16 in a bfloat16 model), "bfloat16", "int8" (a float32 scale per
+  # 128 values; about half of bfloat16's bytes) or "sign" (1 bit per value and a scale per 128 values, then
+  # int8: about 30% of bfloat16's). The other weights' gradients are summed in full precision. Needs MoE
+  # layers and more than one replica.
   gradient_compression: str = "none"
   # For "int8" and "sign": keep what each device's compression lost and add it to its next gradient (a
   # float32 copy of the device's expert weights, checkpointed). Without it "sign" does not converge.

@@ -27,60 +27,56 @@ from meshmoe.training.model_state import abstract_gradient_residual
 from tests import runs
 from tests.model_steps import plan_for, synthetic_batch
 
-REPLICAS = 4
-SHAPE = (3, 200)  # 600 values per device: padded to 4 x 2 blocks of 128
+SHAPE = (3, 200)  # 600 values per device: padded to R x 2 blocks of 128 (R x 1 for 8 replicas)
 
 
-def _per_device(compression, g_DX, e_DX):
-  """compressed_sum on a data=4 x expert=2 mesh, each data replica's row of g_DX (and of the residual)."""
-  mesh = jax.make_mesh((REPLICAS, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+def _per_device(compression, g_RX, e_RX, axes=("data",)):
+  """compressed_sum over mesh `axes` of a data=4 x expert=2 mesh: replica r's values are row r of g_RX
+  (and of the residual; replicated over the other axis)."""
+  mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
   def body(g, e):
-    total, lost = gradient_sync.compressed_sum(g[0], e[0], compression, REPLICAS)
+    total, lost = gradient_sync.compressed_sum(g[0], e[0], compression, axes, len(g_RX))
     return total[None], lost[None]
 
-  spec = PartitionSpec("data")
+  spec = PartitionSpec(axes)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))
-  totals, lost = f(g_DX, e_DX)
+  totals, lost = f(g_RX, e_RX)
   return np.asarray(totals), np.asarray(lost)
 
 
-def _inputs(seed=0):
-  g = jax.random.normal(jax.random.key(seed), (REPLICAS, *SHAPE)) * jnp.linspace(0.01, 3.0, SHAPE[1])
-  e = 0.05 * jax.random.normal(jax.random.key(seed + 1), (REPLICAS, *SHAPE))
+def _inputs(replicas, seed=0):
+  g = jax.random.normal(jax.random.key(seed), (replicas, *SHAPE)) * jnp.linspace(0.01, 3.0, SHAPE[1])
+  e = 0.05 * jax.random.normal(jax.random.key(seed + 1), (replicas, *SHAPE))
   return np.asarray(g), np.asarray(e)
 
 
-def _block_max(x_X):
-  """max|x| of each value's block, in the module's blocking ([replicas, n, BLOCK] of the padded values)."""
-  flat = x_X.reshape(-1)
-  padded = np.pad(flat, (0, -flat.size % (REPLICAS * BLOCK)))
-  blocks = np.abs(padded.reshape(-1, BLOCK)).max(axis=1)
-  return np.repeat(blocks, BLOCK)[:flat.size].reshape(x_X.shape)
+def _per_block(x_X, reduce):
+  """reduce(|x|) over each value's block, in the module's blocking (the values in order, zero-padded; the
+  padding is a multiple of BLOCK, so it never shares a block with a value)."""
+  flat = np.abs(x_X.reshape(-1))
+  padded = np.pad(flat, (0, -flat.size % BLOCK))
+  return np.repeat(reduce(padded.reshape(-1, BLOCK), axis=1), BLOCK)[:flat.size].reshape(x_X.shape)
 
 
-def _block_mean(x_X):
-  flat = x_X.reshape(-1)
-  padded = np.pad(flat, (0, -flat.size % (REPLICAS * BLOCK)))
-  return np.repeat(np.abs(padded.reshape(-1, BLOCK)).mean(axis=1), BLOCK)[:flat.size].reshape(x_X.shape)
-
-
-@pytest.mark.parametrize("compression", ["bfloat16", "int8", "sign"])
-def test_compressed_sum_within_its_bound(compression):
-  g, e = _inputs()
-  totals, lost = _per_device(compression, g, e)
+@pytest.mark.parametrize("compression,axes", [("bfloat16", ("data",)), ("int8", ("data",)), ("sign", ("data",)),
+                                              ("int8", ("data", "expert")), ("sign", ("data", "expert"))])
+def test_compressed_sum_within_its_bound(compression, axes):
+  g, e = _inputs(4 * len(axes))
+  totals, lost = _per_device(compression, g, e, axes)
   v = g + e
   sent = v - lost  # what each replica's compression kept
   assert all(np.array_equal(totals[0], t) for t in totals)  # the same sum on every replica
   if compression == "bfloat16":
     np.testing.assert_array_equal(sent, v.astype(jnp.bfloat16).astype(np.float32))
-    bound = REPLICAS * 2.0**-8 * np.abs(sent).sum(axis=0)  # each bfloat16 addition rounds its partial sum
+    bound = len(g) * 2.0**-8 * np.abs(sent).sum(axis=0)  # each bfloat16 addition rounds its partial sum
   else:
     if compression == "int8":
-      assert np.all(np.abs(lost) <= np.stack([_block_max(x) for x in v]) / 254 * (1 + 1e-6))
+      assert np.all(np.abs(lost) <= np.stack([_per_block(x, np.max) for x in v]) / 254 * (1 + 1e-6))
     else:
-      np.testing.assert_allclose(sent, np.sign(v + (v == 0)) * np.stack([_block_mean(x) for x in v]), rtol=1e-6)
-    bound = _block_max(sent.sum(axis=0)) / 254 * (1 + 1e-6) + 1e-6  # the second phase: the sum as int8
+      np.testing.assert_allclose(sent, np.sign(v + (v == 0)) * np.stack([_per_block(x, np.mean) for x in v]),
+                                 rtol=1e-6)
+    bound = _per_block(sent.sum(axis=0), np.max) / 254 * (1 + 1e-6) + 1e-6  # the second phase: the sum as int8
   assert np.all(np.abs(totals[0] - sent.sum(axis=0)) <= bound)
   # Error feedback loses nothing: the sum plus the new residuals is the exact sum plus the old ones.
   assert np.all(np.abs(totals[0] + lost.sum(axis=0) - v.sum(axis=0)) <= bound + 1e-5)
@@ -88,7 +84,7 @@ def test_compressed_sum_within_its_bound(compression):
 
 def test_int8_error_is_what_its_step_allows_and_no_more():
   """The int8 bound is tight: a value half a step from its neighbours loses the whole half step."""
-  g = np.zeros((REPLICAS, *SHAPE), np.float32)
+  g = np.zeros((4, *SHAPE), np.float32)
   g[:, 0, 0] = 127.0  # block max: a step of exactly 1
   g[:, 0, 1] = 0.5 + 1e-3  # rounds up: loses 0.5 - 1e-3
   totals, lost = _per_device("int8", g, np.zeros_like(g))
@@ -164,7 +160,7 @@ def test_model_gradients_with_compressed_expert_sums(sizes, preset, impl, schedu
     # Per use, half a step of the sum's block maximum; a replica's part of one use's sum is taken at most
     # the whole gradient's magnitude, plus the residual (bfloat16: its relative rounding, per addition).
     magnitude = 2 * np.abs(np.asarray(_flat(exact)[name])).max() + np.abs(old[weight]).max()
-    step = 2.0**-8 * sizes[0] if compression == "bfloat16" else 1 / 127
+    step = 2.0**-8 * plan.axis_size(plan.gradient_replica_axes) if compression == "bfloat16" else 1 / 127
     np.testing.assert_allclose(g, reference, rtol=0, atol=uses * magnitude * step, err_msg=name)
     if residual is not None:  # the check is far tighter than the residual it accounts for
       assert uses * magnitude * step < 0.2 * np.abs(old[weight]).max()
@@ -209,9 +205,12 @@ def test_train_step_feeds_the_residual_to_the_first_micro_batch_only():
 def test_plan_names_the_compression_and_refuses_where_nothing_is_summed_over_data():
   plan = plan_for(_config((2, 4, 1, 1), "ep", "xla", "sequential", "int8"))
   assert plan.ops["gradients"].implementation == "int8" and plan.gradient_feedback
-  assert "error feedback" in plan.table()
+  assert "error feedback" in plan.table() and plan.gradient_replica_axes == ("data",)
+  # megascale splits the tokens over `sequence` too: those devices are replicas of the same experts.
+  assert plan_for(_config((2, 2, 1, 2), "megascale", "xla", "sequential", "int8")).gradient_replica_axes == (
+      "data", "sequence")
   assert not plan_for(_config((2, 4, 1, 1), "ep", "xla", "sequential", "bfloat16")).gradient_feedback
-  with pytest.raises(ConfigError, match="data=1: there are no data-parallel replicas"):
+  with pytest.raises(ConfigError, match="there are no replicas to sum over"):
     plan_for(_config((1, 8, 1, 1), "ep", "xla", "sequential", "int8"))
   dense = _config((8, 1, 1, 1), "dp", "reference", "sequential", "sign")
   dense.model.num_dense_layers = dense.model.num_layers

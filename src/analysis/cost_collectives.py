@@ -11,9 +11,8 @@ Weight gradients: a weight that enters an op whole on devices that compute diffe
 gradient summed over those devices inside the op's backward (an all-reduce per micro-batch); that is data
 parallelism's gradient all-reduce (twice per MoE layer under the two-halves layer schedule, which calls
 each op once per half). Weights outside the explicit ops (embedding, output projection, router,
-norms) are handled by GSPMD the same way. Where the plan compresses the routed experts' sum over `data`
-(sharding/gradient_sync.py), that part is its all-to-all and all-gather (or a bfloat16 all-reduce) per use,
-and only the other token axes' all-reduce stays.
+norms) are handled by GSPMD the same way. Where the plan compresses the routed experts' sum over their replicas
+(sharding/gradient_sync.py), it is an all-to-all and an all-gather (or a bfloat16 all-reduce) per use.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
 GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
@@ -277,9 +276,9 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
     shards = lay.size(tuple(weight_axes))
     summed = token_axes - weight_axes
     repeats = (t.grad_accum_steps if in_op else 1) * layers
-    if compression != "none" and "exp" in names:  # exact over the other axes, then compressed over `data`
-      summed = summed - {gradient_sync.DATA}
-      replicas = lay.size((gradient_sync.DATA,))
+    if compression != "none" and "exp" in names:  # the whole sum, compressed (gradient_sync.py)
+      replicas = lay.size(tuple(summed))
+      summed = set()
       for kind, nbytes in gradient_sync.result_bytes(elements // 3 // shards, compression, replicas,
                                                        lay.plan.hardware.platform).items():
         totals[kind, replicas] += repeats * 3 * moved_bytes(kind, replicas, nbytes)

@@ -85,17 +85,18 @@ def in_sequence_order(plan: ParallelPlan, tokens_BS: jax.Array, targets_BS: jax.
 
 def abstract_gradient_residual(config: Config, plan: ParallelPlan) -> ExpertWeights | None:
   """The error-feedback residual of the routed experts' compressed gradient sum (sharding/gradient_sync.py),
-  as jax.ShapeDtypeStructs with their shardings: float32 [MoE layers, data, *weight], each device holding
-  its replica's copy of its expert weights; None when the plan keeps none."""
+  as jax.ShapeDtypeStructs with their shardings: float32 [MoE layers, replicas, *weight], each device
+  holding its replica's copy of its expert weights; None when the plan keeps none."""
   m = config.model
   if not plan.gradient_feedback:
     return None
   lay = plan.expert_layout()
   e, d, f = m.moe.num_experts, m.embed_dim, m.moe.expert_mlp_dim
-  lead = (m.num_layers - m.num_dense_layers, plan.mesh.shape[gradient_sync.DATA])
+  axes = plan.gradient_replica_axes
+  lead = (m.num_layers - m.num_dense_layers, plan.axis_size(axes))
   placed = lambda shape, spec: jax.ShapeDtypeStruct(
       (*lead, *shape), jnp.float32,
-      sharding=NamedSharding(plan.mesh, PartitionSpec(None, gradient_sync.DATA, *spec)))
+      sharding=NamedSharding(plan.mesh, PartitionSpec(None, *gradient_sync.replica_spec(spec, axes))))
   return ExpertWeights(placed((e, d, f), lay.gate_spec), placed((e, d, f), lay.gate_spec),
                        placed((e, f, d), lay.down_spec))
 
