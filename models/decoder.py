@@ -35,8 +35,7 @@ from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.mla import LatentAttention
 from meshmoe.models.moe import MoEBlock, MoEStats, merge_halves
 from meshmoe.models.router import update_expert_bias
-from meshmoe.sharding import shardings
-from meshmoe.sharding.gradient_sync import later_use
+from meshmoe.sharding import expert_parallel, shardings
 from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.shardings import constrain
 
@@ -53,20 +52,21 @@ class DecoderLayer(nnx.Module):
                 else MoEBlock(cfg, rngs=rngs))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
-               residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
+               replicas: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
+    """`replicas`: the MoE's expert weights as per-replica copies (LayerStack), or None."""
     x_BSD = self._attention_block(x_BSD, positions_BS)
     if isinstance(self.ffn, MoEBlock):
-      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, residual)
+      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, replicas)
     else:
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
     return constrain(x_BSD + y_BSD, _RESIDUAL), stats
 
-  def two_halves(self, halves: Halves, residual: ExpertWeights | None = None) -> tuple[Halves, MoEStats]:
+  def two_halves(self, halves: Halves, replicas: ExpertWeights | None = None) -> tuple[Halves, MoEStats]:
     """The MoE layer on two halves of the rows (module docstring), the same function as `__call__` on the
     whole. Order: A's attention and routing; B's attention while A's tokens travel to their experts; A's
     experts while B's tokens travel; B's experts while A's outputs return. XLA's scheduler places each
     exchange beside the other half's compute; the barriers below keep the halves from being merged.
-    `residual` (error feedback, gradient_sync.py) enters with A; B's use adds none (`later_use`)."""
+    `replicas`: as in `__call__` (both halves' gradients add up before the one compressed sum)."""
     (xa_BSD, xb_BSD), (positions_a_BS, positions_b_BS) = halves
     xa_BSD = self._attention_block(xa_BSD, positions_a_BS)
     na_BSD = self.ffn_norm(xa_BSD)
@@ -75,11 +75,11 @@ class DecoderLayer(nnx.Module):
     # router's, the projections') into one, which waits for both halves: A's dispatch would then wait for
     # B's attention instead of running beside it.
     xb_BSD, na_BSD, choice_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, choice_a))
-    ya_BSD = self.ffn.routed_experts(na_BSD, choice_a, residual)
+    ya_BSD = self.ffn.routed_experts(na_BSD, choice_a, replicas)
     xb_BSD = self._attention_block(xb_BSD, positions_b_BS)
     nb_BSD = self.ffn_norm(xb_BSD)
     choice_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS)
-    yb_BSD = self.ffn.routed_experts(nb_BSD, choice_b, later_use(residual))
+    yb_BSD = self.ffn.routed_experts(nb_BSD, choice_b, replicas)
     if self.ffn.shared is not None:
       ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
       nb_BSD, ya_BSD = jax.lax.optimization_barrier((nb_BSD, ya_BSD))  # the same for the shared experts
@@ -128,27 +128,37 @@ class LayerStack(nnx.Module):
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
                residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
-    """Runs the layers in order; MoE statistics come back stacked, one row per layer. `residual`: each MoE
-    layer's error-feedback input ([layers, ...] per expert weight; gradient_sync.py), or None."""
+    """Runs the layers in order; MoE statistics come back stacked, one row per layer. `residual`: the error
+    feedback of the experts' compressed gradient sum ([layers, replicas, ...] per expert weight), or None.
+
+    Where the plan compresses that sum (sharding/gradient_sync.py), the experts' weights of every layer
+    become per-replica copies here, before the layer loop, so that the backward pass sums all layers'
+    expert gradients in one compressed sum after the loop: inside it, those collectives would take XLA's
+    overlap from the layers' token exchanges."""
 
     # A plain lax.scan over the split state: the forward pass reads the variables and mutates none, and
     # nnx.scan would refuse variables that come from an outer trace (the selection bias in a train step).
     graphdef, stacked = nnx.split(self.layer)
+    replicas = None
+    if self.moe:
+      ffn = self.layer.ffn
+      replicas = expert_parallel.expert_replicas(ExpertWeights(ffn.gate_EDF[...], ffn.up_EDF[...],
+                                                               ffn.down_EFD[...]), residual)
     if not (self.moe and _two_halves()):
 
       def one_layer(x_BSD, layer):
-        state, residual = layer
+        state, replicas = layer
         return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS,
-                      residual)
+                      replicas)
 
-      return jax.lax.scan(one_layer, x_BSD, (stacked, residual))
+      return jax.lax.scan(one_layer, x_BSD, (stacked, replicas))
 
     def one_layer_in_halves(halves, layer):
-      state, residual = layer
-      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, residual)
+      state, replicas = layer
+      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas)
 
     halves = (split_halves(x_BSD, _RESIDUAL), split_halves(positions_BS, _RESIDUAL[:2]))
-    ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, (stacked, residual))
+    ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, (stacked, replicas))
     return join_halves(xa_BSD, xb_BSD, _RESIDUAL), stats
 
 

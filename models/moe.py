@@ -56,11 +56,11 @@ class MoEBlock(nnx.Module):
                    if moe.num_shared_experts else None)
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
-               residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats]:
-    """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted; `residual`:
+               replicas: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats]:
+    """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted; `replicas`:
     see `routed_experts`."""
     choice, stats = self.route(x_BSD, positions_BS)
-    y_BSD = self.routed_experts(x_BSD, choice, residual)
+    y_BSD = self.routed_experts(x_BSD, choice, replicas)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
     return y_BSD, stats
@@ -82,10 +82,10 @@ class MoEBlock(nnx.Module):
     return (experts_BSK, routing.weights_TK), stats
 
   def routed_experts(self, x_BSD: jax.Array, choice: ExpertChoice,
-                     residual: ExpertWeights | None = None) -> jax.Array:
-    """The routed experts' outputs, combined per token (the parallel op of the active plan). `residual`: the
-    error-feedback input of a compressed gradient sum (sharding/gradient_sync.py), given by train steps."""
+                     replicas: ExpertWeights | None = None) -> jax.Array:
+    """The routed experts' outputs, combined per token (the parallel op of the active plan). `replicas`: these
+    weights as per-replica copies for a compressed gradient sum (expert_parallel.expert_replicas), or None."""
     experts_BSK, weights_BSK = choice
     w = ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
-    y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden, residual)
+    y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden, replicas)
     return constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))

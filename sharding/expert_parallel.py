@@ -61,12 +61,12 @@ from meshmoe.sharding.shardings import current
 
 
 def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w: ExpertWeights,
-            activation: Activation, residual: ExpertWeights | None = None) -> jax.Array:
+            activation: Activation, replicas: ExpertWeights | None = None) -> jax.Array:
   """sum_k weights_BSK[..., k] * FFN_{experts_BSK[..., k]}(x_BSD), each expert's FFN being
   down(activation(x @ gate, x @ up)); assignments with expert id E (the number of experts) contribute
   nothing. Runs as the active plan says; with none, on one device with the platform's grouped GEMM.
-  Where the plan compresses the weights' gradient sum over the replicas, `residual` ([R, ...] per weight, or
-  None) is its error-feedback input (sharding/gradient_sync.py)."""
+  Where the plan compresses the weights' gradient sum over their replicas (sharding/gradient_sync.py), the
+  op runs on per-replica copies of `w`: `replicas` ([R, ...] each; `expert_replicas`), or its own."""
   plan = current()
   if plan is None:
     hardware = Hardware.of(jax.devices()[0])
@@ -79,7 +79,9 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   compressed = plan.gradient_compression != "none"
   if compressed:  # one copy per replica, whose gradients gradient_sync sums
     axes = plan.gradient_replica_axes
-    w = gradient_sync.per_replica(w, residual, plan.mesh, w_specs, plan.gradient_compression, axes)
+    if replicas is None:
+      replicas = gradient_sync.per_replica(w, None, plan.mesh, w_specs, plan.gradient_compression, axes)
+    w = replicas
     w_specs = jax.tree.map(lambda spec: gradient_sync.replica_spec(spec, axes), w_specs,
                            is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -105,6 +107,20 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   x_spec = lay.token_spec
   return parallel.shard_map(plan, body, (x_spec, x_spec, x_spec, w_specs), x_spec)(
       x_BSD, experts_BSK, weights_BSK, w)
+
+
+def expert_replicas(w_L: ExpertWeights, residual: ExpertWeights | None) -> ExpertWeights | None:
+  """An MoE layer stack's expert weights ([layers, ...] each) as one copy per gradient replica, [layers, R,
+  ...], whose gradients are summed compressed in one sum for all layers, with `residual` ([layers, R, ...]
+  each, or None) as its error feedback (sharding/gradient_sync.py); None where the active plan does not
+  compress."""
+  plan = current()
+  if plan is None or plan.gradient_compression == "none":
+    return None
+  specs = ExpertWeights(*(plan.param_spec(("layers", *names)) for names in (
+      ("exp", "embed", "exp_mlp"), ("exp", "embed", "exp_mlp"), ("exp", "exp_mlp", "embed"))))
+  return gradient_sync.per_replica(w_L, residual, plan.mesh, specs, plan.gradient_compression,
+                                   plan.gradient_replica_axes, axis=1)
 
 
 # --- The implementations: (x_BSD, experts_BSK, weights_BSK, w, activation, layout, choice, SMs) -> y_BSD --

@@ -557,6 +557,9 @@ def _gradient_sync(plan: ParallelPlan, config: Config) -> OpChoice:
   elif plan.axis_size(axes) == 1:
     problem = (f"under preset {plan.preset!r} on this mesh every device that holds an expert's weights computes "
                "the same tokens' share of its gradient or holds other experts: there are no replicas to sum over")
+  elif set(parallel.all_axes(plan.param_spec(("exp", "embed", "exp_mlp")))) & set(axes):
+    problem = (f"preset {plan.preset!r} stores the experts split over {' x '.join(axes)} (FSDP), so their "
+               "gradients are reduce-scattered there, not summed")
   else:
     feedback = " with error feedback" if plan.gradient_feedback else ""
     return OpChoice(p.gradient_compression, (
