@@ -30,6 +30,7 @@ flags.DEFINE_string("grouped_gemm", None, "grouped GEMM of the dropless MoE path
 flags.DEFINE_string("attention", None, "context-parallel attention: allgather, ring, ulysses")
 flags.DEFINE_string("impl", None, "parallel-op tier: reference, xla, pallas")
 flags.DEFINE_string("layer_schedule", None, "MoE layers' schedule: sequential, two_halves")
+flags.DEFINE_string("gradient_compression", None, "the routed experts' gradient sum: none, bfloat16, int8, sign")
 FLAGS = flags.FLAGS
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 
@@ -64,6 +65,8 @@ def main(argv):
     config.parallel.impl = FLAGS.impl
   if FLAGS.layer_schedule:
     config.parallel.layer_schedule = FLAGS.layer_schedule
+  if FLAGS.gradient_compression:
+    config.parallel.gradient_compression = FLAGS.gradient_compression
   for axis in ("data", "expert", "tensor", "sequence"):
     if getattr(FLAGS, axis) is not None:
       setattr(config.mesh, axis, getattr(FLAGS, axis))

@@ -87,10 +87,16 @@ def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...
     spec_leaves = tree.flatten_up_to(replica_specs)
     feedback = residual is not None
 
+    def one_sum(g, e):
+      return compressed_sum(g, e, compression, axes, replicas)
+
     def body(*args):
       gs, es = args[:len(leaves)], (args[len(leaves):] if feedback else [None] * len(leaves))
       mine = lambda a: None if a is None else jnp.squeeze(a, axis)  # this device's replica
-      summed = [compressed_sum(mine(g), mine(e), compression, axes, replicas) for g, e in zip(gs, es)]
+      # Copies stacked behind a leading (layers) axis are summed one slice at a time: the temporaries of
+      # a sum (the padded blocks, what was sent, what was lost) then exist for one layer, not all.
+      summed = [one_sum(mine(g), mine(e)) if axis == 0 else jax.lax.map(lambda ge: one_sum(*ge), (mine(g), mine(e)))
+                for g, e in zip(gs, es)]
       return [total for total, _ in summed], [jnp.expand_dims(lost, axis) for _, lost in summed]
 
     operands = leaves + (tree.flatten_up_to(residual) if feedback else [])
