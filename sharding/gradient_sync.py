@@ -33,9 +33,8 @@ before compressing, so nothing is lost for good (1-bit Adam, EF-SGD). The residu
 the device's expert weights per device, stored [layers, R, ...] split like the weights and over the replica
 axes,
 in the train state beside the optimizer state (checkpointed with it). It enters the computation as an
-input of `per_replica`, and its "gradient" is the new residual: the train step feeds it to the first
-micro-batch and zero (with the same cotangent path, `later_use`) to the later ones, so the cotangents sum
-to the total of what every micro-batch's compression lost.
+input of `per_replica`, and its "gradient" is the new residual. Each micro-batch's sum is one round: the
+train step feeds what one micro-batch's sum lost into the next one's.
 
 Error bounds (per element, per use): int8 loses at most half a step, max|block| / 254, in each phase;
 bfloat16 rounding is relative, 2^-9 of the value, plus the psum's own bfloat16 additions. The sign
@@ -176,11 +175,3 @@ def result_bytes(elements: int, compression: str, replicas: int, platform: str) 
   blocks = math.ceil(elements / (replicas * BLOCK)) * replicas
   payload = {"int8": BLOCK, "sign": BLOCK // 8}[compression]
   return {"all-to-all": blocks * (payload + 4.0), "all-gather": blocks * (BLOCK + 4.0)}
-
-
-def later_use(residual):
-  """The residual as input to a later use of the same weights in one step (the second micro-batch and
-  later): zero, but on the same cotangent path, so what that use's compression loses adds into the one new
-  residual."""
-  return None if residual is None else jax.tree.map(lambda r: r - jax.lax.stop_gradient(r), residual)
-

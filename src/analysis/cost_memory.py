@@ -65,17 +65,16 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
     activations += _layer_weight_copies(config, plan, shapes, names)
   # With gradient accumulation the micro-batch loop carries the float32 sum beside each micro-batch's.
   gradients = param_bytes * (2 if config.train.grad_accum_steps > 1 else 1)
-  optimizer = 2 * placed_bytes(plan.optimizer_spec) + _gradient_residual_bytes(config, plan, shapes, names)
+  experts = sum(math.prod(shape) / _shards(plan, plan.weight_spec(n)) for shape, n in zip(shapes, names)
+                if "exp" in n)
+  optimizer = 2 * placed_bytes(plan.optimizer_spec)
+  if plan.gradient_compression != "none":
+    # gradient_sync.py: the layer stack's per-replica copies of every layer's expert weights in the compute
+    # dtype, and their gradient, live through the step; the error-feedback residual (float32) beside the
+    # optimizer state.
+    activations += 2 * experts * jnp.dtype(config.model.dtype).itemsize
+    optimizer += 4 * experts if plan.gradient_feedback else 0
   return MemoryCost(params=param_bytes, gradients=gradients, optimizer=optimizer, activations=activations)
-
-
-def _gradient_residual_bytes(config: Config, plan: ParallelPlan, shapes, names) -> float:
-  """The error-feedback residual of a compressed gradient sum (gradient_sync.py), kept beside the optimizer
-  state: a float32 copy of each device's routed-expert weights as the MoE op holds them."""
-  if not plan.gradient_feedback:
-    return 0.0
-  return sum(4 * math.prod(shape) / _shards(plan, plan.weight_spec(n)) for shape, n in zip(shapes, names)
-             if "exp" in n)
 
 
 def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:

@@ -31,7 +31,6 @@ from flax import nnx
 from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.runtime import nonfinite
-from meshmoe.sharding.gradient_sync import later_use
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
 from meshmoe.training import optimizer as optimizer_lib
@@ -182,17 +181,14 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
       (loss, terms), (grads, residual) = grad_fn(state.params, state.grad_residual, batch)
       terms = jax.tree.map(lambda x: x[None], terms)
     else:
-      def accumulate(carry, indexed):
-        index, micro = indexed
-        # The old residual enters the first micro-batch's sums only; each adds what it loses.
-        fed = jax.tree.map(lambda old, later: jnp.where(index == 0, old, later), state.grad_residual,
-                           later_use(state.grad_residual))
-        (loss, terms), grads = grad_fn(state.params, fed, micro)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), terms
+      def accumulate(carry, micro):
+        loss_sum, grad_sum, residual = carry
+        # Each micro-batch's compressed sum is a round of error feedback: what it loses enters the next.
+        (loss, terms), (grads, residual) = grad_fn(state.params, residual, micro)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), residual), terms
 
-      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (state.params, state.grad_residual)))
-      (loss, (grads, residual)), terms = jax.lax.scan(accumulate, zeros,
-                                                      (jnp.arange(count), _microbatches(batch, count)))
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), state.grad_residual)
+      (loss, grads, residual), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     grad_sq_norms = nonfinite.squared_norms(grads, stacked)
     grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
