@@ -27,19 +27,19 @@ with 1-bit signs). A direct call of the MoE op (no layer stack) makes its own co
 - "sign": the first phase sends each value's sign (1 bit, packed 8 to a byte) with one float32 scale per
   block (the block's mean magnitude: the scaled-sign compressor of EF-signSGD), the second phase int8.
 
-Error feedback (`parallel.gradient_error_feedback`, for the low-bit formats): each device keeps what its
-first-phase compression lost, e = v - C(v) for the value v it sent, and adds it to its next gradient
-before compressing, so nothing is lost for good (1-bit Adam, EF-SGD). The residual is float32, one copy of
-the device's expert weights per device, stored [layers, R, ...] split like the weights and over the replica
-axes,
-in the train state beside the optimizer state (checkpointed with it). It enters the computation as an
-input of `per_replica`, and its "gradient" is the new residual. Each micro-batch's sum is one round: the
-train step feeds what one micro-batch's sum lost into the next one's.
+Error feedback (`parallel.gradient_error_feedback`, for the low-bit formats, off by default): each device
+keeps what its first-phase compression lost, e = v - C(v) for the value v it sent, and adds it to its next
+gradient before compressing, so nothing is lost for good (1-bit Adam, EF-SGD). The residual is float32, a
+copy of the device's expert weights per device, stored [layers, R, ...] split like the weights and over
+the replica axes, in the train state beside the optimizer state (checkpointed with it). It enters the
+computation as an input of `per_replica`, and its "gradient" is the new residual. Each micro-batch's sum
+is one round: the train step feeds what one micro-batch's sum lost into the next one's. With AdamW it did
+not help on tiny_moe (experiments/benchmarks/RESULTS.md): Adam's per-value normalisation already makes its
+steps sign-like, and the residual's delayed gradients upset its second moment.
 
 Error bounds (per element, per use): int8 loses at most half a step, max|block| / 254, in each phase;
 bfloat16 rounding is relative, 2^-9 of the value, plus the psum's own bfloat16 additions. The sign
-compressor has no per-element bound: without error feedback its error accumulates; with it, the lost
-part is carried into the next step.
+compressor has no per-element bound (it keeps a block's mean magnitude and each value's sign).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 BLOCK = 128  # values per quantisation block; each block has one float32 scale
-LOW_BIT = ("int8", "sign")  # formats that lose enough to need error feedback
+LOW_BIT = ("int8", "sign")  # formats error feedback applies to
 
 
 def replica_spec(spec: PartitionSpec, axes: tuple[str, ...], axis: int = 0) -> PartitionSpec:

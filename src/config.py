@@ -187,8 +187,10 @@ class ParallelConfig:
   # layers and more than one replica.
   gradient_compression: str = "none"
   # For "int8" and "sign": keep what each device's compression lost and add it to its next gradient (a
-  # float32 copy of the device's expert weights, checkpointed). Without it "sign" does not converge.
-  gradient_error_feedback: bool = True
+  # float32 copy of the device's expert weights, checkpointed). Off by default: with AdamW it did not help
+  # (tiny_moe, 4 seeds: signs ended 0.09 nats worse with it, 0.02 without; int8 alike either way; see
+  # experiments/benchmarks/RESULTS.md). Adam's per-value normalisation already makes its steps sign-like.
+  gradient_error_feedback: bool = False
   # XLA flag preset for GPUs (src/runtime/xla_flags.py): "overlap" (latency-hiding scheduler, reductions
   # pipelined across loop iterations, combining), "overlap_double_buffered" (also double-buffered loops: more
   # memory), "overlap_windowed_einsum" or "none" (XLA's defaults).

@@ -103,7 +103,8 @@ def _config(sizes, preset, impl, schedule, compression):
   config = tiny_moe.get_config()
   data, expert, tensor, sequence = sizes
   config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
-  config.parallel = ParallelConfig(impl=impl, layer_schedule=schedule, gradient_compression=compression)
+  config.parallel = ParallelConfig(impl=impl, layer_schedule=schedule, gradient_compression=compression,
+                                   gradient_error_feedback=True)
   return config.validate(8)
 
 
@@ -239,7 +240,8 @@ def test_killed_run_resumes_bitwise_with_its_residual(tmp_path):
   data replicas) starts it from zero."""
   flags = [*runs.SMALL_FLAGS, "--config.mesh.data=2", "--config.mesh.expert=4", "--config.parallel.impl=xla",
            "--config.train.global_batch_size=16", "--config.train.grad_accum_steps=2",
-           "--config.checkpoint.every_steps=3", "--config.parallel.gradient_compression=sign"]
+           "--config.checkpoint.every_steps=3", "--config.parallel.gradient_compression=sign",
+           "--config.parallel.gradient_error_feedback=true"]
   runs.run(runs.train_command(tmp_path / "whole", *flags, "--config.train.steps=6"))
   runs.run(runs.train_command(tmp_path / "resumed", *flags, "--config.train.steps=3"))
   result = runs.run(runs.train_command(tmp_path / "resumed", *flags, "--config.train.steps=6"))

@@ -34,10 +34,10 @@ VARIANTS = {
                                 f"--config.parallel.moe_exchange_grad_dtype={FP8}"],
     # The routed experts' gradients summed over `data` compressed (sharding/gradient_sync.py).
     "grad_bf16": ["--config.parallel.gradient_compression=bfloat16"],
-    "grad_int8": ["--config.parallel.gradient_compression=int8"],
+    "grad_int8": ["--config.parallel.gradient_compression=int8", "--config.parallel.gradient_error_feedback=true"],
     "grad_int8_no_feedback": ["--config.parallel.gradient_compression=int8",
                               "--config.parallel.gradient_error_feedback=false"],
-    "grad_sign": ["--config.parallel.gradient_compression=sign"],
+    "grad_sign": ["--config.parallel.gradient_compression=sign", "--config.parallel.gradient_error_feedback=true"],
     "grad_sign_no_feedback": ["--config.parallel.gradient_compression=sign",
                               "--config.parallel.gradient_error_feedback=false"],
 }
