@@ -46,7 +46,7 @@ class TrainState:
   others: Any  # nnx.State of the non-trainable variables
   opt_state: Any
   rng: jax.Array  # uint32[2] PRNG key
-  # Error feedback of the experts' compressed gradient sum (ExpertWeights of [layers, data, ...]), or None.
+  # Error feedback of the experts' compressed gradient sum (ExpertWeights of [layers, replicas, ...]), or None.
   grad_residual: Any = None
 
 
