@@ -125,7 +125,6 @@ class LayerStack(nnx.Module):
         variable.set_metadata(logical_axes=("layers", *variable.get_metadata()["logical_axes"]))
     self.remat = cfg.remat
     self.moe = not dense
-    self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
                residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
@@ -144,7 +143,7 @@ class LayerStack(nnx.Module):
     if self.moe:
       ffn = self.layer.ffn
       replicas = expert_parallel.expert_replicas(ExpertWeights(ffn.gate_EDF[...], ffn.up_EDF[...],
-                                                               ffn.down_EFD[...]), residual, self.dtype)
+                                                               ffn.down_EFD[...]), residual)
     if not (self.moe and _two_halves()):
 
       def one_layer(x_BSD, layer):

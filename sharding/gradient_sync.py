@@ -12,9 +12,10 @@ every layer's expert weights into one copy per replica, `per_replica(w)`: [layer
 replica axes, which costs nothing (each device holds its replica's copy already). Inside the MoE op each
 device's copy then differs from the others' only by name, so autodiff does not sum the gradient over those
 axes there, and `per_replica`'s custom VJP receives each replica's own gradient of every layer after the
-layer loop's backward pass. It sums them compressed, once per micro-batch (inside the loop, those
-collectives took XLA's overlap from the layers' token exchanges: moe_1b's overlap fell from 0.68 to 0.53
-with 1-bit signs). A direct call of the MoE op (no layer stack) makes its own copies, without feedback:
+layer loop's backward pass. It sums them compressed, all layers at once, once per micro-batch (inside the
+loop, those collectives took XLA's overlap from the layers' token exchanges: moe_1b's overlap fell from
+0.68 to 0.53 with 1-bit signs; summing one layer at a time after the loop, with `lax.map`, held more
+memory). A direct call of the MoE op (no layer stack) makes its own copies, without feedback:
 
 - "bfloat16": a psum in bfloat16 (half the bytes of float32 gradients on GPUs; nothing saved where the
   model computes in bfloat16, whose in-op sums are bfloat16 already; XLA:CPU promotes the all-reduce to
@@ -86,16 +87,10 @@ def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...
     spec_leaves = tree.flatten_up_to(replica_specs)
     feedback = residual is not None
 
-    def one_sum(g, e):
-      return compressed_sum(g, e, compression, axes, replicas)
-
     def body(*args):
       gs, es = args[:len(leaves)], (args[len(leaves):] if feedback else [None] * len(leaves))
       mine = lambda a: None if a is None else jnp.squeeze(a, axis)  # this device's replica
-      # Copies stacked behind a leading (layers) axis are summed one slice at a time: the temporaries of
-      # a sum (the padded blocks, what was sent, what was lost) then exist for one layer, not all.
-      summed = [one_sum(mine(g), mine(e)) if axis == 0 else jax.lax.map(lambda ge: one_sum(*ge), (mine(g), mine(e)))
-                for g, e in zip(gs, es)]
+      summed = [compressed_sum(mine(g), mine(e), compression, axes, replicas) for g, e in zip(gs, es)]
       return [total for total, _ in summed], [jnp.expand_dims(lost, axis) for _, lost in summed]
 
     operands = leaves + (tree.flatten_up_to(residual) if feedback else [])

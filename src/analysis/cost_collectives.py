@@ -13,7 +13,7 @@ parallelism's gradient all-reduce (twice per MoE layer under the two-halves laye
 each op once per half). Weights outside the explicit ops (embedding, output projection, router,
 norms) are handled by GSPMD the same way. Where the plan compresses the routed experts' sum over their
 replicas (sharding/gradient_sync.py), it is an all-to-all and an all-gather (or a bfloat16 all-reduce)
-per layer and micro-batch, after the layer loop.
+per weight and micro-batch for all layers, after the layer loop.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
 GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
@@ -278,13 +278,13 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
     summed = token_axes - weight_axes
     repeats = (t.grad_accum_steps if in_op else 1) * layers
     if compression != "none" and "exp" in names:
-      # One compressed sum per micro-batch of each MoE layer's gradient of each of the 3 weights, after the
+      # One compressed sum per micro-batch of every MoE layer's gradient of each of the 3 weights, after the
       # layer loop (gradient_sync.py; LayerStack), whatever the layer schedule.
       replicas = lay.size(tuple(summed))
       summed = set()
-      for kind, nbytes in gradient_sync.result_bytes(elements // 3 // shards, compression, replicas,
+      for kind, nbytes in gradient_sync.result_bytes(num_moe * elements // 3 // shards, compression, replicas,
                                                        lay.plan.hardware.platform).items():
-        totals[kind, replicas] += t.grad_accum_steps * num_moe * 3 * moved_bytes(kind, replicas, nbytes)
+        totals[kind, replicas] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
     group = lay.size(tuple(summed))
     totals["all-reduce", group] += repeats * moved_bytes("all-reduce", group, elements * itemsize / shards)
   for (kind, group), nbytes in totals.items():

@@ -4,7 +4,9 @@
   preset (parameters and gradients by the parameter rules, AdamW's two moments by the optimizer rules:
   ZeRO-1 and FSDP split them, data parallelism replicates them). All float32; with gradient accumulation
   the gradients twice (the running sum and the current micro-batch's). Counted with the optimizer state:
-  the error-feedback residual of a compressed gradient sum (one float32 copy of the device's expert weights).
+  the error-feedback residual of a compressed gradient sum (one float32 copy of the device's expert weights;
+  the per-replica copies of the weights themselves are views of the parameters, and their gradient takes
+  the place of the parameters').
 - Activations kept for the backward pass of one micro-batch, by remat policy:
   `none` keeps every layer's intermediates; `full` keeps each layer's input and rebuilds one layer at a
   time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
@@ -68,12 +70,8 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
   experts = sum(math.prod(shape) / _shards(plan, plan.weight_spec(n)) for shape, n in zip(shapes, names)
                 if "exp" in n)
   optimizer = 2 * placed_bytes(plan.optimizer_spec)
-  if plan.gradient_compression != "none":
-    # gradient_sync.py: the layer stack's per-replica copies of every layer's expert weights in the compute
-    # dtype, and their gradient, live through the step; the error-feedback residual (float32) beside the
-    # optimizer state.
-    activations += 2 * experts * jnp.dtype(config.model.dtype).itemsize
-    optimizer += 4 * experts if plan.gradient_feedback else 0
+  if plan.gradient_feedback:  # gradient_sync.py's error-feedback residual, float32, beside the optimizer state
+    optimizer += 4 * experts
   return MemoryCost(params=param_bytes, gradients=gradients, optimizer=optimizer, activations=activations)
 
 
