@@ -36,7 +36,8 @@ REMAT_POLICIES = ("none", "full", "dots")
 LAYER_SCHEDULES = ("sequential", "two_halves")
 # How the routed experts' gradients are summed over `data` (sharding/gradient_sync.py).
 GRADIENT_COMPRESSIONS = ("none", "bfloat16", "int8", "sign")
-DATA_SOURCES = ("stdlib", "text", "jsonl", "arrayrecord")
+# Raw sources are tokenized into a cache on first use; "tokenized" reads experiments.tokenize's folders.
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "arrayrecord", "tokenized")
 NAN_POLICIES = ("halt", "skip")
 
 
@@ -260,13 +261,18 @@ class TrainConfig:
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
   # "stdlib": bytes of this interpreter's standard-library source files (no download). Else files in `paths`:
-  # "text" (each file a document), "jsonl" (a `text` field per line), "arrayrecord" (UTF-8 text records).
+  # "text" (each file a document), "jsonl" (a `text` field per line), "parquet" (a `text` column),
+  # "arrayrecord" (UTF-8 text records); these are tokenized once into a cache ($MESHMOE_CACHE, default
+  # ~/.cache/meshmoe). "tokenized": folders written by `python -m experiments.tokenize`, mixed by weight:
+  # paths="[name=]folder[:weight],..." (weights summing to 1; one folder needs none). src/data/pipeline.py.
   source: str = "stdlib"
-  paths: str = ""  # comma-separated files or glob patterns
-  eval_paths: str = ""  # held-out files; empty: hold out `eval_fraction` of the files, chosen by name hash
+  paths: str = ""  # comma-separated files or glob patterns; for "tokenized", the dataset folders
+  eval_paths: str = ""  # held-out files; empty: hold out `eval_fraction` of the documents, chosen by hash
   eval_fraction: float = 0.05
-  tokenizer: str = "byte"  # "byte" (vocabulary 256) or the path of a Hugging Face tokenizer.json
+  # "byte" (vocabulary 256) or the path of a Hugging Face tokenizer.json; "tokenized" datasets name their own.
+  tokenizer: str = "byte"
   packing: bool = True  # concatenate documents into full rows; else one document per row, padded
+  loader_threads: int = 4  # background threads that read and assemble batches ahead; 0: in the train loop
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -524,11 +530,52 @@ def _validate_data(d: DataConfig) -> None:
     raise ConfigError("data.paths", d.paths, f"one or more files or glob patterns for data.source={d.source!r}")
   if d.source == "stdlib" and d.paths.strip():
     raise ConfigError("data.paths", d.paths, "empty for data.source='stdlib' (set data.source for your files)")
+  if d.source == "tokenized":
+    mixture_entries(d.paths)
+    if d.eval_paths.strip():
+      raise ConfigError("data.eval_paths", d.eval_paths, "empty for data.source='tokenized' (each dataset "
+                        "folder holds its own eval split)")
   if not _is_number(d.eval_fraction) or not 0 < d.eval_fraction < 1:
     raise ConfigError("data.eval_fraction", d.eval_fraction, "a number strictly between 0 and 1")
   if not isinstance(d.tokenizer, str) or not (d.tokenizer == "byte" or d.tokenizer.endswith(".json")):
     raise ConfigError("data.tokenizer", d.tokenizer, "'byte' or the path of a tokenizer.json file")
   _check_bool("data.packing", d.packing)
+  _check_int("data.loader_threads", d.loader_threads, 0, "an integer >= 0 (0: load in the train loop)")
+
+
+def mixture_entries(paths: str) -> list[tuple[str, str, float]]:
+  """(name, folder, weight) of each dataset in `data.paths` for data.source='tokenized'.
+
+  Entries are "[name=]folder[:weight]"; the name defaults to the folder's last part. One dataset needs no
+  weight; several need one each, positive, summing to 1 (within 0.001: weights are fractions of the rows,
+  and a sum far from 1 is usually a forgotten or mistyped source)."""
+  entries = []
+  for item in (p.strip() for p in paths.split(",") if p.strip()):
+    head, named, tail = item.partition("=")
+    name, rest = (head, tail) if named and "/" not in head else ("", item)  # a folder may hold "=" too
+    folder, _, weight_text = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    name = name or folder.rstrip("/").rsplit("/", 1)[-1]
+    try:
+      weight = float(weight_text) if weight_text else None
+    except ValueError:
+      raise ConfigError("data.paths", paths, f"weights as numbers; {weight_text!r} in {item!r} is not") from None
+    if not name or not all(c.isalnum() or c in "_.-" for c in name):
+      raise ConfigError("data.paths", paths, f"dataset names of letters, digits, '_', '.', '-'; {item!r} gives "
+                        f"{name!r}")
+    if weight is not None and not (math.isfinite(weight) and weight > 0):
+      raise ConfigError("data.paths", paths, f"positive finite weights; {item!r} has {weight_text}")
+    entries.append((name, folder, weight))
+  names = [e[0] for e in entries]
+  if len(set(names)) < len(names):
+    raise ConfigError("data.paths", paths, f"distinct dataset names (name=folder:weight); {names} repeat one")
+  if len(entries) == 1:
+    return [(entries[0][0], entries[0][1], 1.0)]
+  if any(e[2] is None for e in entries):
+    raise ConfigError("data.paths", paths, "a weight for every dataset of a mixture (folder:weight)")
+  total = sum(e[2] for e in entries)
+  if abs(total - 1) > 1e-3:
+    raise ConfigError("data.paths", paths, f"weights that sum to 1; these sum to {total:g}")
+  return entries
 
 
 def _validate_checkpoint_and_sample(c: CheckpointConfig, s: SampleConfig) -> None:

@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices, float32 matmuls at full precision; the session's reference run."""
 import os
+import tempfile
 
 # Must happen before jax is imported anywhere. The deviceless-compile flag is deviceless.COMPILE_FLAGS
 # (tests compile for H100s in-process); written out here because importing meshmoe would import jax.
@@ -16,6 +17,10 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
   if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Raw data sources are tokenized into this cache on first use (src/data/tokenizing.py): one per machine for
+# the test processes (they fill it safely at once), not the user's ~/.cache; Bazel's sandbox has TEST_TMPDIR.
+os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir(),
+                                                    "meshmoe-test-cache"))
 
 import jax  # noqa: E402
 

@@ -207,6 +207,18 @@ def _case(fields, field, value, allowed):
     ({"train.seed": "0"}, "train.seed", "0", "an integer"),
     ({"train.seed": True}, "train.seed", True, "an integer"),
     ({"train.seed": None}, "train.seed", None, "an integer"),
+    ({"data.loader_threads": -1}, "data.loader_threads", -1, "an integer >= 0 (0: load in the train loop)"),
+    *[({"data.source": "tokenized", "data.paths": paths}, "data.paths", paths, allowed) for paths, allowed in [
+        ("a=/x:0.7,b=/y:0.2", "weights that sum to 1; these sum to 0.9"),
+        ("a=/x:0.7,b=/y", "a weight for every dataset of a mixture (folder:weight)"),
+        ("a=/x:1.5,b=/y:-0.5", "positive finite weights; 'b=/y:-0.5' has -0.5"),
+        ("a=/x:half", "weights as numbers; 'half' in 'a=/x:half' is not"),
+        ("a=/x:0.5,a=/y:0.5", "distinct dataset names (name=folder:weight); ['a', 'a'] repeat one"),
+        ("/data/web/:0.5,/data2/web:0.5", "distinct dataset names (name=folder:weight); ['web', 'web'] repeat one"),
+        ("a b=/x", "dataset names of letters, digits, '_', '.', '-'; 'a b=/x' gives 'a b'"),
+    ]],
+    ({"data.source": "tokenized", "data.paths": "/x", "data.eval_paths": "/e"}, "data.eval_paths", "/e",
+     "empty for data.source='tokenized' (each dataset folder holds its own eval split)"),
 ]])
 def test_cross_field_checks(fields, field, value, allowed):
   expect_error(make(**fields), field, value, allowed)

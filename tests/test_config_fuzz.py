@@ -66,7 +66,7 @@ POSITIVE_INTS = ["model.kv_lora_rank", "model.qk_nope_head_dim", "model.v_head_d
                  "model.mlp_dim", "model.max_seq_len", "model.moe.num_experts", "model.moe.expert_mlp_dim",
                  "train.steps", "train.global_batch_size", "train.log_every", "train.eval_batches",
                  "checkpoint.keep", "parallel.moe_chunks", "resilience.max_consecutive_skips"]
-NON_NEGATIVE_INTS = ["model.q_lora_rank", "model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
+NON_NEGATIVE_INTS = ["data.loader_threads", "model.q_lora_rank", "model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
                      "optimizer.warmup_steps",
                      "train.eval_every", "checkpoint.every_steps", "sample.max_new_tokens",
                      "resilience.straggler_every_steps"]

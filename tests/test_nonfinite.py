@@ -96,6 +96,9 @@ class _Poisoned:
   def get_state(self):
     return self.inner.get_state()
 
+  def source_token_counts(self):
+    return self.inner.source_token_counts()
+
   def set_state(self, state):
     self.inner.set_state(state)
 
@@ -109,7 +112,7 @@ def test_skip_drops_the_update_on_device_then_halts_when_told(tmp_path, monkeypa
   config.checkpoint.every_steps, config.checkpoint.keep = 1, 20
   config.resilience.nan_policy, config.resilience.max_consecutive_skips = "skip", 1
   build = data_lib.build_data
-  monkeypatch.setattr(data_lib, "build_data", lambda *a: _poison(build(*a), {4, 6, 7}))
+  monkeypatch.setattr(data_lib, "build_data", lambda *a, **k: _poison(build(*a, **k), {4, 6, 7}))
 
   with pytest.raises(NonFiniteError) as info:
     trainer.train(config, tmp_path)

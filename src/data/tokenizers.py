@@ -1,5 +1,7 @@
 """Tokenizers: bytes (vocabulary 256, byte 0 separates documents) or a Hugging Face `tokenizer.json`."""
 
+import hashlib
+import pathlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,12 +43,33 @@ class HuggingFaceTokenizer:
     return self._tokenizer.decode([int(i) for i in ids])
 
 
+def from_name(name: str):
+  """The tokenizer `name` names: "byte" or the path of a tokenizer.json."""
+  return ByteTokenizer() if name == "byte" else HuggingFaceTokenizer(name)
+
+
+def identity(name: str) -> dict:
+  """What identifies a tokenizer in a dataset's manifest: its kind, and for a file its path and SHA-256."""
+  if name == "byte":
+    return {"kind": "byte"}
+  path = pathlib.Path(name).expanduser().absolute()
+  try:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+  except OSError as e:
+    raise ConfigError("data.tokenizer", name, f"a readable tokenizer.json file ({e.strerror or e})") from None
+  return {"kind": "tokenizer.json", "path": str(path), "sha256": digest}
+
+
 def load_tokenizer(cfg: DataConfig, vocab_size: int):
-  tokenizer = ByteTokenizer() if cfg.tokenizer == "byte" else HuggingFaceTokenizer(cfg.tokenizer)
-  if tokenizer.vocab_size > vocab_size:
-    raise ConfigError("model.vocab_size", vocab_size,
-                      f"at least {tokenizer.vocab_size}, the vocabulary of tokenizer {cfg.tokenizer!r}")
+  tokenizer = from_name(cfg.tokenizer)
+  check_vocabulary(tokenizer.vocab_size, vocab_size, f"tokenizer {cfg.tokenizer!r}")
   return tokenizer
+
+
+def check_vocabulary(data_vocab_size: int, model_vocab_size: int, what: str) -> None:
+  if data_vocab_size > model_vocab_size:
+    raise ConfigError("model.vocab_size", model_vocab_size,
+                      f"at least {data_vocab_size}, the vocabulary of {what}")
 
 
 def encode_documents(tokenizer, docs: list[str]) -> list[np.ndarray]:

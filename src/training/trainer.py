@@ -71,7 +71,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
     plan.write_json(workdir / "plan.json")
     print(plan.table(), flush=True)
-  data = data_lib.build_data(config, train_step.process_rows(config, plan))
+  data = data_lib.build_data(config, train_step.process_rows(config, plan), log=print if is_primary else _quiet)
   checkpointer = Checkpointer(workdir, config.checkpoint)
   variables = None
   if config.train.init_from and checkpointer.latest_step() is None:
@@ -87,7 +87,8 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     data.train.set_state(restored.data_state)
     print(f"resuming from the checkpoint of step {restored.step} in {checkpointer.directory}", flush=True)
   first_step = int(state.step)
-  eval_batches = [train_step.place_batch(b, config, plan) for b in data.eval_batches]
+  eval_batches = {name: [train_step.place_batch(b, config, plan) for b in batches]
+                  for name, batches in data.eval_batches.items()}
   compile_start = time.perf_counter()
   step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
   if is_primary:
@@ -97,7 +98,8 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
 
   # The eval step is compiled here too, not at the first evaluation: the watchdog does not watch compiling
   # (a large model's takes minutes), and the processes meet below once all of it is done.
-  eval_fn = trainer.eval_step.lower(state.params, state.others, eval_batches[0]).compile() if eval_batches else None
+  first_eval = next(iter(eval_batches.values()))[0]
+  eval_fn = trainer.eval_step.lower(state.params, state.others, first_eval).compile()
 
   if jax.process_count() > 1:
     # Processes finish compiling at different times (or load the step from the compilation cache); without
@@ -187,14 +189,16 @@ class _Loop:
           self._check(pending, state, watchdog)
           step_time = (time.perf_counter() - last_log_time) / (done - last_log_step)
           logger.log_train(done, _train_record(metrics, step_time, tokens_per_step, flops_per_step, peak)
-                           | {"skipped_steps": self.nonfinite.skipped_steps})
+                           | {"skipped_steps": self.nonfinite.skipped_steps}
+                           | {f"tokens/{name}": n for name, n in self.data.train.source_token_counts().items()})
           last_log_time, last_log_step = time.perf_counter(), done
         self.stragglers.step_finished()
         if (c.train.eval_every and done % c.train.eval_every == 0) or done == c.train.steps:
           self._check(pending, state, watchdog)
           watchdog.beat(f"evaluation at step {done}")
-          self.eval_loss = evaluate(self.eval_fn, state, self.eval_batches)
-          logger.log_eval(done, {"loss": self.eval_loss})
+          losses = evaluate_sources(self.eval_fn, state, self.eval_batches, self.data.weights)
+          self.eval_loss = losses["loss"]
+          logger.log_eval(done, losses)
           last_log_time = time.perf_counter()  # evaluation time is not step time
         if done == c.train.steps or (c.checkpoint.every_steps and done % c.checkpoint.every_steps == 0):
           self._check(pending, state, watchdog)
@@ -210,7 +214,7 @@ class _Loop:
         self.final_loss = float(pending[1]["loss"])
       if self.eval_loss is None:  # resumed a run that had already finished
         watchdog.beat("evaluation")
-        self.eval_loss = evaluate(self.eval_fn, state, self.eval_batches)
+        self.eval_loss = evaluate_sources(self.eval_fn, state, self.eval_batches, self.data.weights)["loss"]
     return state, None
 
   def _check(self, pending, state, watchdog: resilience.Watchdog) -> None:
@@ -244,6 +248,18 @@ def evaluate(eval_fn, state: train_step.TrainState, batches) -> float:
     out = eval_fn(state.params, state.others, batch)
     ce_sum, tokens = ce_sum + float(out["ce_sum"]), tokens + float(out["tokens"])
   return ce_sum / max(tokens, 1.0)
+
+
+def evaluate_sources(eval_fn, state: train_step.TrainState, batches: dict[str, list], weights: list[float]) -> dict:
+  """{"loss": the mixture's eval loss (the datasets' losses weighted like their rows), "loss/<dataset>": each
+  dataset's} for a mixture; {"loss": ...} for one dataset."""
+  losses = {name: evaluate(eval_fn, state, dataset_batches) for name, dataset_batches in batches.items()}
+  record = {"loss": float(sum(w * loss for w, loss in zip(weights, losses.values())))}
+  return record | ({f"loss/{name}": loss for name, loss in losses.items()} if len(losses) > 1 else {})
+
+
+def _quiet(_: str) -> None:
+  pass
 
 
 def _train_record(metrics: dict, step_time: float, tokens_per_step: int, flops_per_step: float,
