@@ -45,11 +45,11 @@ def main(argv):
             f"{time.perf_counter() - start:.1f}s)")
       return
     if not _SOURCE.value or not _OUT.value:
-      raise app.UsageError("--source and --out are required (or --verify=FOLDER)")
+      sys.exit("error: --source and --out are required (or --verify=FOLDER); --helpfull lists the flags")
     if _SOURCE.value != "stdlib" and not _PATHS.value.strip():
-      raise app.UsageError(f"--paths is required for --source={_SOURCE.value}")
+      sys.exit(f"error: --paths is required for --source={_SOURCE.value}")
     if not 0 < _EVAL_FRACTION.value < 1:
-      raise app.UsageError(f"--eval_fraction={_EVAL_FRACTION.value} must be strictly between 0 and 1")
+      sys.exit(f"error: --eval_fraction={_EVAL_FRACTION.value} must be strictly between 0 and 1")
     start = time.perf_counter()
     manifest = tokenizing.tokenize_corpus(
         _OUT.value, source=_SOURCE.value, paths=_PATHS.value, eval_paths=_EVAL_PATHS.value,

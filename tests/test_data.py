@@ -1,18 +1,29 @@
-"""Data pipeline: tokenizers, sources, packing, determinism, resumption, process sharding, errors."""
+"""Data pipeline: tokenizers, sources, the token store, packing, shuffling, mixtures, resumption, errors.
+
+Every expectation is computed here from the documents themselves (bytes + EOS, numpy windows, CRC-32 split),
+or read from the shards with numpy, not through the pipeline's own readers."""
 
 import json
 import pathlib
+import threading
+import zlib
 
 import numpy as np
 import pytest
 
-from meshmoe.config import Config, ConfigError, DataConfig
-from meshmoe.data import documents, pipeline, tokenizers
+from meshmoe.config import Config, ConfigError, DataConfig, mixture_entries
+from meshmoe.data import pipeline, token_store, tokenizers, tokenizing
+from meshmoe.data.mixture import Mixture
+from meshmoe.data.token_store import DataError
 
 
-def _config(**data_fields) -> Config:
+def _quiet(_):
+  pass
+
+
+def _config(seq_len: int = 8, batch_size: int = 2, **data_fields) -> Config:
   config = Config()
-  config.train.seq_len, config.train.global_batch_size, config.train.eval_batches = 8, 2, 1
+  config.train.seq_len, config.train.global_batch_size, config.train.eval_batches = seq_len, batch_size, 1
   for name, value in data_fields.items():
     setattr(config.data, name, value)
   return config
@@ -24,17 +35,114 @@ def _write(tmp_path, name: str, text: str) -> str:
   return str(path)
 
 
-def _rows_of(batches) -> list[list[int]]:
-  return [row.tolist() for batch in batches for row in batch["inputs"]]
+def _byte_doc(text: str) -> list[int]:
+  """A document as the byte tokenizer stores it: its UTF-8 bytes, then EOS (0)."""
+  return [*text.encode(), 0]
+
+
+def _windows(stream, seq_len: int) -> list[tuple]:
+  """The packed rows of a token stream: windows of seq_len + 1 tokens at stride seq_len."""
+  return [tuple(int(t) for t in stream[i * seq_len:i * seq_len + seq_len + 1])
+          for i in range((len(stream) - 1) // seq_len)]
+
+
+def _rows_of(batches) -> list[tuple]:
+  """Each row of packed batches as its seq_len + 1 tokens (the inputs and the last target)."""
+  return [tuple(row.tolist()) for batch in batches
+          for row in np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)]
+
+
+def _split_texts(texts: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+  """(train, eval) documents of one unit of text: held out by CRC-32 of the text, or, when none hashes
+  below the fraction, its last documents."""
+  texts = [t for t in texts if t]
+  held = [zlib.crc32(t.encode()) % 100_000 < eval_fraction * 100_000 for t in texts]
+  if not any(held):
+    count = min(max(1, int(len(texts) * eval_fraction)), len(texts) - 1)
+    held = [i >= len(texts) - count for i in range(len(texts))]
+  return [t for t, h in zip(texts, held) if not h], [t for t, h in zip(texts, held) if h]
+
+
+def _stored_documents(folder, split: str) -> list[list[int]]:
+  """The documents of a split of a dataset folder, read with numpy from its manifest and shards."""
+  folder = pathlib.Path(folder)
+  manifest = json.loads((folder / "manifest.json").read_text())
+  docs = []
+  for shard in manifest["splits"][split]["shards"]:
+    tokens = np.fromfile(folder / shard["tokens"], np.dtype(manifest["dtype"]).newbyteorder("<"))
+    offsets = np.load(folder / shard["index"])
+    docs += [tokens[a:b].astype(np.int64).tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+  return docs
+
+
+def _stream(folder, split: str) -> np.ndarray:
+  return np.asarray([t for doc in _stored_documents(folder, split) for t in doc], np.int64)
+
+
+def _jsonl_dataset(tmp_path, name: str, texts: list[str], **kwargs) -> str:
+  """`texts` tokenized (as one JSONL file) into the dataset folder tmp_path/name."""
+  source = tmp_path / f"{name}.jsonl"
+  source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+  kwargs = {"eval_fraction": 0.2, "log": _quiet} | kwargs
+  tokenizing.tokenize_corpus(tmp_path / name, source="jsonl", paths=str(source), **kwargs)
+  return str(tmp_path / name)
+
+
+def _letters(seed: int, letters: str, count: int) -> list[str]:
+  rng = np.random.default_rng(seed)
+  return ["".join(rng.choice(list(letters), int(rng.integers(4, 30)))) for _ in range(count)]
+
+
+def _word_tokenizer(tmp_path, size: int = 300) -> str:
+  """A Hugging Face word-level tokenizer of `size` tokens: <unk> 0, </s> 1, "w0" 2, "w1" 3, ..."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  vocab = {"<unk>": 0, "</s>": 1} | {f"w{i}": i + 2 for i in range(size - 2)}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  path = tmp_path / "words.json"
+  tokenizer.save(str(path))
+  return str(path)
+
+
+def _words(seed: int, count: int, size: int = 300) -> list[str]:
+  rng = np.random.default_rng(seed)
+  return [" ".join(f"w{i}" for i in rng.integers(0, size - 2, int(rng.integers(3, 20)))) for _ in range(count)]
+
+
+def _word_ids(text: str) -> list[int]:
+  """A document as _word_tokenizer stores it: "wN" is N + 2, then </s> (1)."""
+  return [int(w[1:]) + 2 for w in text.split()] + [1]
+
+
+def _next_or_error(iterator, seconds: float = 60):
+  """next(iterator) in a thread: its batch, or the exception it raised; fails if it hangs."""
+  result = {}
+
+  def run():
+    try:
+      result["batch"] = next(iterator)
+    except Exception as e:  # handed to the test
+      result["error"] = e
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  assert not thread.is_alive(), f"next() did not return within {seconds}s"
+  return result.get("batch"), result.get("error")
+
+
+# Tokenizers.
 
 
 def test_byte_tokenizer_round_trip():
   tokenizer = tokenizers.ByteTokenizer()
   text = "def f(x):\n  return 'naïve — ok'\n"
   ids = tokenizer.encode(text)
-  assert ids.dtype == np.int32 and ids.max() < 256 and 0 not in ids
+  assert ids.dtype == np.int32 and ids.tolist() == list(text.encode()) and 0 not in ids
   assert tokenizer.decode(ids) == text
-  assert tokenizer.decode([0, *ids, 0]) == text  # the document separator is dropped
+  assert tokenizer.decode([0, *ids, 0]) == text  # the end-of-document token is dropped
+  assert (tokenizer.vocab_size, tokenizer.eos_id) == (256, 0)
 
 
 def test_hugging_face_tokenizer(tmp_path):
@@ -50,6 +158,7 @@ def test_hugging_face_tokenizer(tmp_path):
   loaded = tokenizers.load_tokenizer(DataConfig(tokenizer=path), vocab_size=256)
   assert loaded.eos_id == tokenizer.token_to_id("</s>")
   ids = loaded.encode("the cat sat")
+  assert ids.tolist() == tokenizer.encode("the cat sat").ids
   assert loaded.decode(ids) == "the cat sat"
   with pytest.raises(ConfigError) as err:
     tokenizers.load_tokenizer(DataConfig(tokenizer=path), vocab_size=8)
@@ -59,173 +168,613 @@ def test_hugging_face_tokenizer(tmp_path):
   assert err.value.field == "data.tokenizer"
 
 
+def test_hugging_face_dataset_is_uint16_with_eos(tmp_path):
+  texts = _words(0, 30)
+  folder = _jsonl_dataset(tmp_path, "words", texts, tokenizer=_word_tokenizer(tmp_path))
+  manifest = json.loads((pathlib.Path(folder) / "manifest.json").read_text())
+  assert manifest["dtype"] == "uint16"
+  assert (manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["eos_id"]) == (300, 1)
+  train, evaluation = _split_texts(texts, 0.2)
+  assert _stored_documents(folder, "train") == [_word_ids(t) for t in train]
+  assert _stored_documents(folder, "eval") == [_word_ids(t) for t in evaluation]
+  assert (pathlib.Path(folder) / "tokenizer.json").read_bytes() == (tmp_path / "words.json").read_bytes()
+
+
+# Rows.
+
+
 def test_packed_rows_are_consecutive_windows(tmp_path):
-  docs = ["abcdefghij", "klmnopq", "rstuvwxyz01234"]  # 33 tokens with separators: 4 rows of 8 + 1
+  docs = ["abcdefghij", "klmnopq", "rstuvwxyz01234"]  # 34 tokens with their EOS: 4 rows of 8 + 1
   paths = ",".join(_write(tmp_path, f"{i}.txt", d) for i, d in enumerate(docs))
-  config = _config(source="text", paths=paths, eval_paths=_write(tmp_path, "eval.txt", "held out text"))
+  config = _config(source="text", paths=paths, eval_paths=_write(tmp_path, "eval.txt", "held out text"),
+                   batch_size=4)
   built = pipeline.build_data(config)
-  stream = np.frombuffer("\0".join(docs).encode(), np.uint8).astype(np.int32)
-  s = config.train.seq_len
-  windows = [stream[i * s:i * s + s + 1] for i in range((len(stream) - 1) // s)]
-  assert len(windows) == 4
-  epoch = _rows_of([next(built.train) for _ in range(len(windows) // 2)])
-  assert sorted(epoch) == sorted(w[:-1].tolist() for w in windows)
-  batch = next(pipeline.build_data(config).train)
+  stream = [t for d in docs for t in _byte_doc(d)]
+  windows = _windows(stream, config.train.seq_len)
+  assert len(windows) == 4 and windows[-1][-1] == ord("4")
+  assert built.train_tokens == len(stream) and built.eval_tokens == len(_byte_doc("held out text"))
+  batch = next(built.train)
+  assert sorted(_rows_of([batch])) == windows  # one batch is the whole epoch
   np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
-  assert batch["mask"].min() == 1.0
+  assert batch["mask"].dtype == np.float32 and batch["mask"].min() == 1.0
+  assert set(batch) == {"inputs", "targets", "mask"}
+  assert built.train.source_token_counts() == {"text": 4 * 8}
+  assert _rows_of(built.eval_batches["text"]) == _windows(_byte_doc("held out text"), 8) * 4  # wraps around
+
+
+def test_packed_rows_cross_shards(tmp_path):
+  texts = _letters(1, "abcdefghijklm", 30)
+  folder = _jsonl_dataset(tmp_path, "a", texts, unit_bytes=40)  # shards of a few documents
+  assert len(json.loads((pathlib.Path(folder) / "manifest.json").read_text())["splits"]["train"]["shards"]) > 5
+  train, _ = _split_texts(texts, 0.2)
+  stream = [t for text in train for t in _byte_doc(text)]
+  np.testing.assert_array_equal(_stream(folder, "train"), stream)
+  windows = _windows(stream, 8)
+  config = _config(source="tokenized", paths=folder, batch_size=len(windows))
+  assert sorted(_rows_of([next(pipeline.build_data(config).train)])) == sorted(windows)
 
 
 def test_unpacked_rows_pad_and_mask(tmp_path):
-  config = _config(source="text", paths=_write(tmp_path, "a.txt", "abcdefghijkl") + "," +
-                   _write(tmp_path, "b.txt", "xyz"), eval_paths=_write(tmp_path, "e.txt", "eval"),
-                   packing=False)
+  texts = ["abcdefghijkl", "xyz", "a" * 16, "q", "0123456789abcdefghijklmnop"]
+  config = _config(source="text", paths=",".join(_write(tmp_path, f"{i}.txt", t) for i, t in enumerate(texts)),
+                   eval_paths=_write(tmp_path, "e.txt", "eval"), packing=False)
+  s = config.train.seq_len
+  expected = []  # each document + EOS cut into windows of at most s + 1 tokens, overlapping by one
+  for text in texts:
+    doc = _byte_doc(text)
+    for start in range(0, len(doc) - 1, s):
+      window = doc[start:start + s + 1]
+      pad = [0] * (s + 1 - len(window))
+      expected.append((tuple(window[:-1] + pad), tuple(window[1:] + pad), tuple([1.0] * (len(window) - 1) +
+                                                                                 [0.0] * len(pad))))
+  assert len(expected) == 2 + 1 + 2 + 1 + 4
+  config.train.global_batch_size = len(expected)
   built = pipeline.build_data(config)
-  rows = {}
-  for _ in range(2):  # 3 rows: "abcdefghi", "ijkl" (windows overlap by one token), "xyz"; 2 per batch
-    batch = next(built.train)
-    for inputs, targets, mask in zip(batch["inputs"], batch["targets"], batch["mask"], strict=True):
-      rows[bytes(inputs[inputs > 0].astype(np.uint8)).decode()] = (targets.tolist(), mask.tolist())
-  assert set(rows) == {"abcdefgh", "ijkl", "xyz"}  # inputs; the last input of a short row has no target
-  assert rows["ijkl"][1] == [1, 1, 1] + [0] * 5
-  targets, mask = rows["xyz"]
-  assert mask == [1, 1] + [0] * 6
-  assert targets[:2] == [ord("y"), ord("z")]
+  batch = next(built.train)
+  rows = [(tuple(i.tolist()), tuple(t.tolist()), tuple(m.tolist()))
+          for i, t, m in zip(batch["inputs"], batch["targets"], batch["mask"], strict=True)]
+  assert sorted(rows) == sorted(expected)
+  assert built.train.source_token_counts() == {"text": int(batch["mask"].sum())} == {"text": sum(
+      len(t) for t in texts)}  # every token of a document is a target once: its successor, or the EOS
+  eval_rows = [tuple(r.tolist()) for r in built.eval_batches["text"][0]["inputs"]]
+  assert eval_rows == [tuple(b"eval") + (0,) * 4] * len(expected)
+
+
+# Sources.
 
 
 def test_jsonl_and_arrayrecord_sources(tmp_path):
   from array_record.python import array_record_module
 
-  lines = [json.dumps({"text": f"document number {i} " * 3}) for i in range(6)]
-  jsonl = _write(tmp_path, "docs.jsonl", "\n".join(lines) + "\n\n")
-  built = pipeline.build_data(_config(source="jsonl", paths=jsonl, eval_fraction=0.3))
-  assert built.train_tokens > 0 and built.eval_tokens > 0  # one file: its last documents are held out
+  texts = [f"document number {i} " * 3 for i in range(6)]
+  jsonl = _write(tmp_path, "docs.jsonl", "\n".join(json.dumps({"text": t}) for t in texts) + "\n\n")
+  config = _config(source="jsonl", paths=jsonl, eval_fraction=0.3)
+  built = pipeline.build_data(config)
+  folder = tokenizing.cached_dataset(config.data, _quiet)
+  train, evaluation = _split_texts(texts, 0.3)
+  assert len(train) >= 1 and len(evaluation) >= 1
+  assert _stored_documents(folder, "train") == [_byte_doc(t) for t in train]
+  assert _stored_documents(folder, "eval") == [_byte_doc(t) for t in evaluation]
+  assert (built.train_tokens, built.eval_tokens) == (sum(len(_byte_doc(t)) for t in train),
+                                                     sum(len(_byte_doc(t)) for t in evaluation))
 
+  records = [f"record {i} with some text in it" for i in range(12)]
   record_path = str(tmp_path / "docs.array_record")
   writer = array_record_module.ArrayRecordWriter(record_path, "group_size:1")
-  for i in range(5):
-    writer.write(f"record {i} with some text in it".encode())
+  for record in records:
+    writer.write(record.encode())
   writer.close()
-  built = pipeline.build_data(_config(source="arrayrecord", paths=record_path, eval_fraction=0.2))
-  text = built.tokenizer.decode(next(built.train)["inputs"].reshape(-1))
-  assert "record" in text
+  config = _config(source="arrayrecord", paths=record_path, eval_fraction=0.2)
+  built = pipeline.build_data(config)
+  folder = tokenizing.cached_dataset(config.data, _quiet)
+  train, evaluation = _split_texts(records, 0.2)
+  assert _stored_documents(folder, "train") == [_byte_doc(t) for t in train]
+  assert _stored_documents(folder, "eval") == [_byte_doc(t) for t in evaluation]
+  stream = [t for text in train for t in _byte_doc(text)]
+  assert set(_rows_of([next(built.train)])) <= set(_windows(stream, 8))
+
+  out = tmp_path / "ar-units"  # several units of records: the same documents
+  tokenizing.tokenize_corpus(out, source="arrayrecord", paths=record_path, eval_fraction=0.2, unit_bytes=20,
+                             log=_quiet)
+  assert len(json.loads((out / "manifest.json").read_text())["splits"]["train"]["shards"]) > 2
+  assert sorted(_stored_documents(out, "train") + _stored_documents(out, "eval")) == sorted(
+      _byte_doc(r) for r in records)
+
+
+def test_parquet_source(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  texts = [f"parquet row {i}: " + "xyz" * (i % 5) for i in range(40)]
+  texts[7] = ""  # empty documents are skipped
+  path = tmp_path / "docs.parquet"
+  pq.write_table(pa.table({"text": texts, "other": list(range(40))}), path, row_group_size=4)
+  out = tmp_path / "parquet"
+  tokenizing.tokenize_corpus(out, source="parquet", paths=str(path), eval_fraction=0.3, unit_bytes=1,
+                             log=_quiet)
+  manifest = json.loads((out / "manifest.json").read_text())
+  assert len(manifest["splits"]["train"]["shards"]) == 10  # one unit (and shard) per row group
+  train, evaluation = _split_texts(texts, 0.3)
+  assert len(evaluation) >= 1  # held out by hash, so any cut into units gives the same split
+  assert _stored_documents(out, "train") == [_byte_doc(t) for t in train]
+  assert _stored_documents(out, "eval") == [_byte_doc(t) for t in evaluation]
+
+  config = _config(source="parquet", paths=str(path), eval_fraction=0.3)  # the cache: one unit, same split
+  pipeline.build_data(config)
+  cached = tokenizing.cached_dataset(config.data, _quiet)
+  assert _stored_documents(cached, "train") == _stored_documents(out, "train")
+
+  pq.write_table(pa.table({"body": ["no text column"]}), tmp_path / "bad.parquet")
+  with pytest.raises(DataError, match=r"bad.parquet: Parquet sources need a string column 'text'"):
+    pipeline.build_data(_config(source="parquet", paths=str(tmp_path / "bad.parquet")))
+
+
+def test_the_split_is_by_document_text_not_by_file(tmp_path):
+  texts = [f"document {i}" for i in range(40)]
+  train, evaluation = _split_texts(texts, 0.3)
+  assert 5 < len(evaluation) < 20
+  layouts = {"one": [texts], "two": [texts[:15], texts[15:]], "renamed": [texts]}
+  for name, files in layouts.items():
+    folder = tmp_path / name
+    folder.mkdir()
+    paths = [_write(folder, f"{name}{i}.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in part))
+             for i, part in enumerate(files)]
+    tokenizing.tokenize_corpus(folder / "out", source="jsonl", paths=",".join(paths), eval_fraction=0.3,
+                               log=_quiet)
+    assert _stored_documents(folder / "out", "train") == [_byte_doc(t) for t in train], name
+    assert _stored_documents(folder / "out", "eval") == [_byte_doc(t) for t in evaluation], name
+
+
+def test_a_tiny_corpus_holds_out_its_last_documents(tmp_path):
+  texts = [t for t in (f"tail document {i}" for i in range(40)) if zlib.crc32(t.encode()) % 100_000 >= 30_000][:10]
+  assert len(texts) == 10  # none hashes below the fraction
+  paths = _write(tmp_path, "tiny.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+  config = _config(source="jsonl", paths=paths, eval_fraction=0.3)
+  built = pipeline.build_data(config)
+  folder = tokenizing.cached_dataset(config.data, _quiet)
+  assert _stored_documents(folder, "train") == [_byte_doc(t) for t in texts[:7]]
+  assert _stored_documents(folder, "eval") == [_byte_doc(t) for t in texts[7:]]
+  assert built.eval_tokens == sum(len(_byte_doc(t)) for t in texts[7:])
+  config.data.eval_fraction = 0.6  # another split of the same file: another cache folder
+  pipeline.build_data(config)
+  other = tokenizing.cached_dataset(config.data, _quiet)
+  train, evaluation = _split_texts(texts, 0.6)
+  assert other != folder and len(evaluation) >= 1
+  assert _stored_documents(other, "train") == [_byte_doc(t) for t in train]
+  assert _stored_documents(other, "eval") == [_byte_doc(t) for t in evaluation]
 
 
 @pytest.mark.parametrize("contents, message", [
     ('{"text": "ok"}\nnot json\n', "line 2: not valid JSON"),
     ('{"text": "ok"}\n{"body": "no text"}\n', "line 2: needs a string field 'text'"),
+    ('{"text": "ok"}\n\n["text"]\n', "line 3: needs a string field 'text'"),
 ])
 def test_malformed_jsonl(tmp_path, contents, message):
-  with pytest.raises(documents.DataError, match=message):
+  with pytest.raises(DataError, match=f"bad.jsonl {message}"):
     pipeline.build_data(_config(source="jsonl", paths=_write(tmp_path, "bad.jsonl", contents)))
 
 
+def test_malformed_jsonl_in_a_later_unit_names_the_files_line(tmp_path):
+  lines = [json.dumps({"text": f"good line {i}"}) for i in range(30)] + [""] + ['{"text": broken}']
+  lines += [json.dumps({"text": "after"})]
+  path = _write(tmp_path, "bad.jsonl", "\n".join(lines) + "\n")
+  with pytest.raises(DataError) as err:
+    tokenizing.tokenize_corpus(tmp_path / "out", source="jsonl", paths=path, unit_bytes=50, log=_quiet)
+  assert str(err.value).startswith(f"{path} line 32: not valid JSON")
+  assert len(list((tmp_path / "out" / "progress").glob("unit-*.json"))) > 3  # units before it finished
+
+
 def test_missing_empty_and_too_small_data(tmp_path):
-  with pytest.raises(documents.DataError, match=r"data.paths: '.*nothing\*.txt' matches no file"):
+  with pytest.raises(DataError, match=r"paths: '.*nothing\*.txt' matches no file"):
     pipeline.build_data(_config(source="text", paths=str(tmp_path / "nothing*.txt")))
-  with pytest.raises(documents.DataError, match="names directories only"):
-    pipeline.build_data(_config(source="text", paths=str(tmp_path)))
+  (tmp_path / "sub").mkdir()
+  with pytest.raises(DataError, match="names directories only"):
+    pipeline.build_data(_config(source="text", paths=str(tmp_path / "sub")))
   empty = _write(tmp_path, "empty.txt", "")
-  with pytest.raises(documents.DataError, match="cannot hold out eval data"):
+  with pytest.raises(DataError, match=r"the source holds no training text \(1 file\(s\), all empty"):
     pipeline.build_data(_config(source="text", paths=empty))
-  with pytest.raises(documents.DataError, match="the train data holds no text"):
+  with pytest.raises(DataError, match="the source holds no training text"):
     pipeline.build_data(_config(source="text", paths=empty, eval_paths=_write(tmp_path, "e.txt", "some eval text")))
+  empty_jsonl = _write(tmp_path, "empty.jsonl", json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n")
+  with pytest.raises(DataError, match=r"the source holds no training text \(1 file\(s\)"):
+    pipeline.build_data(_config(source="jsonl", paths=empty_jsonl))
+  with pytest.raises(DataError, match="no document was held out for eval"):
+    pipeline.build_data(_config(source="text", paths=_write(tmp_path, "one.txt", "a single document")))
   small = _write(tmp_path, "small.txt", "tiny")
-  with pytest.raises(documents.DataError, match=r"it needs at least 2 row\(s\) of seq_len \+ 1 = 9 tokens"):
+  with pytest.raises(DataError, match=r"the train split of dataset 'text' \(.*\) holds 5 tokens in 1 document\(s\): "
+                     r"not one row of seq_len \+ 1 = 9 tokens"):
     pipeline.build_data(_config(source="text", paths=small, eval_paths=_write(tmp_path, "e2.txt", "eval")))
-  with pytest.raises(documents.DataError, match="cannot read"):
+  with pytest.raises(DataError, match=r"the eval split of dataset 'text' \(.*\) holds 2 tokens"):
+    pipeline.build_data(_config(source="text", paths=_write(tmp_path, "big.txt", "long enough text"),
+                                eval_paths=_write(tmp_path, "e3.txt", "e")))
+  with pytest.raises(DataError, match="cannot read .*x.array_record as ArrayRecord"):
     pipeline.build_data(_config(source="arrayrecord", paths=_write(tmp_path, "x.array_record", "not a record")))
 
 
+# Order: epochs, determinism, resumption, processes.
+
+
 @pytest.fixture(scope="module")
-def stdlib_config() -> Config:
-  config = Config()
-  config.train.seq_len, config.train.global_batch_size = 32, 4
-  return config
+def letters(tmp_path_factory) -> dict[str, tuple[str, list[str], list[str]]]:
+  """Two small multi-shard datasets told apart by their letters: name -> (folder, train texts, eval texts)."""
+  root = tmp_path_factory.mktemp("letters")
+  out = {}
+  for name, seed, alphabet, count in (("a", 2, "abcdefghijklm", 24), ("b", 3, "nopqrstuvwxyz", 16)):
+    texts = _letters(seed, alphabet, count)
+    train, evaluation = _split_texts(texts, 0.2)
+    assert evaluation and len(evaluation) < len(texts)
+    out[name] = (_jsonl_dataset(root, name, texts, unit_bytes=100), train, evaluation)
+  return out
 
 
-def test_stdlib_corpus_split_and_entropy(stdlib_config):
-  train, evaluation = documents.train_and_eval(stdlib_config.data)
-  assert len(train) > 100 and len(evaluation) > 5
-  fraction = len(evaluation) / (len(train) + len(evaluation))
-  assert 0.02 < fraction < 0.1, fraction  # eval_fraction 0.05 of the files, by name hash
-  built = pipeline.build_data(stdlib_config)
-  assert 2.5 < built.unigram_entropy_nats < 4.5
+def _train_windows(letters, name: str, seq_len: int = 8) -> list[tuple]:
+  return _windows([t for text in letters[name][1] for t in _byte_doc(text)], seq_len)
 
 
-def test_iterator_determinism_and_resumption(stdlib_config):
-  first = pipeline.build_data(stdlib_config)
-  second = pipeline.build_data(stdlib_config)
+def _eval_windows(letters, name: str, seq_len: int = 8) -> list[tuple]:
+  return _windows([t for text in letters[name][2] for t in _byte_doc(text)], seq_len)
+
+
+def test_epochs_reshuffle(letters):
+  windows = _train_windows(letters, "a")
+  n = len(windows)
+  config = _config(source="tokenized", paths=letters["a"][0], batch_size=3)
+  built = pipeline.build_data(config)
+  assert n % 3 and built.train_tokens == sum(len(_byte_doc(t)) for t in letters["a"][1])
+  rows = _rows_of([next(built.train) for _ in range(n + 1)])  # batches straddle the epochs
+  epochs = [rows[e * n:(e + 1) * n] for e in range(3)]
+  for epoch in epochs:
+    assert sorted(epoch) == sorted(windows)  # every row once per epoch
+  assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
+  assert epochs[0] != sorted(windows)
+
+
+def test_iterator_determinism_and_resumption(letters):
+  config = _config(source="tokenized", paths=letters["a"][0], batch_size=4)
+  first, second = pipeline.build_data(config), pipeline.build_data(config)
   batches = [next(first.train) for _ in range(5)]
   assert _rows_of(batches) == _rows_of([next(second.train) for _ in range(5)])
+  assert set(_rows_of(batches)) <= set(_train_windows(letters, "a"))
 
   state = json.loads(json.dumps(first.train.get_state()))  # as a checkpoint stores it
-  expected = [next(first.train) for _ in range(3)]
-  resumed = pipeline.build_data(stdlib_config)
+  assert state == {"next_index": 5, "source_tokens": {"a": 5 * 4 * 8}}
+  expected = [next(first.train) for _ in range(12)]  # into the second epoch
+  resumed = pipeline.build_data(config)
   resumed.train.set_state(state)
-  assert _rows_of([next(resumed.train) for _ in range(3)]) == _rows_of(expected)
+  assert resumed.train.source_token_counts() == {"a": 5 * 4 * 8}
+  got = [next(resumed.train) for _ in range(12)]
+  assert _rows_of(got) == _rows_of(expected)
+  for a, b in zip(got, expected):
+    for key in ("inputs", "targets", "mask"):
+      np.testing.assert_array_equal(a[key], b[key])
+  assert resumed.train.get_state() == first.train.get_state() == {"next_index": 17,
+                                                                 "source_tokens": {"a": 17 * 4 * 8}}
 
-  other_seed = Config()
-  other_seed.train.seq_len, other_seed.train.global_batch_size, other_seed.train.seed = 32, 4, 1
-  assert _rows_of([next(pipeline.build_data(other_seed).train)]) != _rows_of(batches[:1])
+  config.train.seed = 1
+  other_seed = pipeline.build_data(config).train
+  other = _rows_of([next(other_seed) for _ in range(10)])  # the first epoch of 40 rows
+  assert len(other) == len(_train_windows(letters, "a"))
+  assert other != _rows_of(batches + expected[:5]) and sorted(other) == sorted(_train_windows(letters, "a"))
 
 
-def test_epochs_reshuffle(tmp_path):
-  docs = ",".join(_write(tmp_path, f"{i}.txt", f"document {i} " * 4) for i in range(4))
-  config = _config(source="text", paths=docs, eval_paths=_write(tmp_path, "e.txt", "eval text"))
-  built = pipeline.build_data(config)
-  rows_per_epoch = (built.train_tokens - 1) // config.train.seq_len
-  assert rows_per_epoch == 22  # 4 x 44 bytes + 3 separators: an even number, so batches end with the epoch
-  epochs = [_rows_of([next(built.train) for _ in range(rows_per_epoch // 2)]) for _ in range(2)]
-  assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
-
-
-def test_processes_load_their_block_of_each_batch(stdlib_config):
-  whole = pipeline.build_data(stdlib_config)
-  blocks = [pipeline.build_data(stdlib_config, rows) for rows in (range(0, 1), range(1, 3), range(3, 4))]
-  for _ in range(3):  # every global batch, in order: the blocks put together are the one-process batch
+def test_processes_load_their_block_of_each_batch(letters):
+  config = _config(source="tokenized", paths=f"a={letters['a'][0]}:0.75,b={letters['b'][0]}:0.25", batch_size=4)
+  config.train.eval_batches = 2
+  whole = pipeline.build_data(config)
+  blocks = [pipeline.build_data(config, rows) for rows in (range(0, 1), range(1, 3), range(3, 4))]
+  for _ in range(6):  # every global batch, in order: the blocks put together are the one-process batch
     single = next(whole.train)
     parts = [next(block.train) for block in blocks]
-    assert [p["inputs"].shape for p in parts] == [(1, 32), (2, 32), (1, 32)]
+    assert [p["inputs"].shape for p in parts] == [(1, 8), (2, 8), (1, 8)]
     for name in ("inputs", "targets", "mask"):
       np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), single[name])
-  np.testing.assert_array_equal(np.concatenate([b.eval_batches[0]["inputs"] for b in blocks]),
-                                whole.eval_batches[0]["inputs"])
-  assert blocks[1].train.get_state() == whole.train.get_state()  # counts global batches: any process count
+  for name in ("a", "b"):
+    assert [len(b.eval_batches[name]) for b in blocks] == [2, 2, 2]
+    for i in range(2):
+      for key in ("inputs", "targets", "mask"):
+        np.testing.assert_array_equal(np.concatenate([b.eval_batches[name][i][key] for b in blocks]),
+                                      whole.eval_batches[name][i][key])
+  state = whole.train.get_state()
+  assert state["next_index"] == 6 and sum(state["source_tokens"].values()) == 6 * 4 * 8
+  assert all(block.train.get_state() == state for block in blocks)  # global counts: any process count
   with pytest.raises(ValueError, match="a contiguous block of the 4 rows"):
-    pipeline.build_data(stdlib_config, range(2, 6))
+    pipeline.build_data(config, range(2, 6))
 
 
-def test_eval_batches_are_fixed(stdlib_config):
-  a, b = pipeline.build_data(stdlib_config), pipeline.build_data(stdlib_config)
-  assert len(a.eval_batches) == stdlib_config.train.eval_batches
-  assert _rows_of(a.eval_batches) == _rows_of(b.eval_batches)
+# Mixtures.
 
 
-def test_unigram_entropy_matches_numpy(tmp_path):
-  text = "aab" * 40
-  config = _config(source="text", paths=_write(tmp_path, "t.txt", text),
+def test_mixture_rows_counts_and_state(letters):
+  paths = f"a={letters['a'][0]}:0.75,b={letters['b'][0]}:0.25"
+  batch_size, num_batches = 8, 12
+  config = _config(source="tokenized", paths=paths, batch_size=batch_size)
+  config.train.eval_batches = 3
+  built = pipeline.build_data(config)
+  assert built.sources == ["a", "b"] and built.weights == [0.75, 0.25]
+  windows = {name: _train_windows(letters, name) for name in ("a", "b")}
+  assert not set(windows["a"]) & set(windows["b"])
+  mixture = Mixture([0.75, 0.25])
+  batches, states = [], []
+  for _ in range(num_batches):
+    states.append(json.loads(json.dumps(built.train.get_state())))
+    batches.append(next(built.train))
+  rows = _rows_of(batches)
+  dataset = [next(name for name in ("a", "b") if row in windows[name]) for row in rows]  # each is a window
+  letters_of = {"a": set(b"abcdefghijklm\0"), "b": set(b"nopqrstuvwxyz\0")}
+  assert all(set(row) <= letters_of[name] for row, name in zip(rows, dataset))
+  for b in range(num_batches):  # per batch, as many rows of each dataset as the mixture's counts say
+    expected = mixture.counts([(b + 1) * batch_size])[0] - mixture.counts([b * batch_size])[0]
+    got = [dataset[b * batch_size:(b + 1) * batch_size].count(name) for name in ("a", "b")]
+    assert got == expected.tolist()
+  totals = [dataset.count("a"), dataset.count("b")]
+  assert totals == mixture.counts([num_batches * batch_size])[0].tolist() == [72, 24]
+  for name in ("a", "b"):  # each dataset's rows: whole shuffled epochs, one after another
+    mine, n = [r for r, d in zip(rows, dataset) if d == name], len(windows[name])
+    assert len(mine) > n
+    assert sorted(mine[:n]) == sorted(windows[name]) and len(set(mine[n:2 * n])) == len(mine[n:2 * n])
+  assert built.train.source_token_counts() == {"a": 72 * 8, "b": 24 * 8}
+
+  resumed = pipeline.build_data(config)
+  resumed.train.set_state(states[5])
+  assert resumed.train.source_token_counts() == {"a": dataset[:40].count("a") * 8, "b": dataset[:40].count("b") * 8}
+  assert _rows_of([next(resumed.train) for _ in range(num_batches - 5)]) == rows[5 * batch_size:]
+  assert resumed.train.get_state() == built.train.get_state()
+  recounted = pipeline.build_data(config)  # a state without the counts (another mixture's): recomputed
+  recounted.train.set_state({"next_index": 5})
+  assert recounted.train.source_token_counts() == {"a": dataset[:40].count("a") * 8,
+                                                   "b": dataset[:40].count("b") * 8}
+
+  assert sorted(built.eval_batches) == ["a", "b"]
+  for name in ("a", "b"):  # each dataset's own eval split, in order, wrapping around
+    expected = _eval_windows(letters, name)
+    assert len(built.eval_batches[name]) == 3
+    assert _rows_of(built.eval_batches[name]) == [expected[i % len(expected)] for i in range(3 * batch_size)]
+  assert built.eval_tokens == sum(len(_byte_doc(t)) for name in ("a", "b") for t in letters[name][2])
+  assert built.train_tokens == sum(len(_byte_doc(t)) for name in ("a", "b") for t in letters[name][1])
+
+
+def _unigram(texts: list[str]) -> np.ndarray:
+  counts = np.bincount(np.asarray([t for text in texts for t in _byte_doc(text)]), minlength=256)
+  return counts / counts.sum()
+
+
+def test_unigram_entropy_of_a_mixture_matches_numpy(letters):
+  config = _config(source="tokenized", paths=f"a={letters['a'][0]}:0.75,b={letters['b'][0]}:0.25")
+  p = 0.75 * _unigram(letters["a"][1]) + 0.25 * _unigram(letters["b"][1])
+  p = p[p > 0]
+  np.testing.assert_allclose(pipeline.build_data(config).unigram_entropy_nats, -np.sum(p * np.log(p)), rtol=1e-12)
+
+
+def test_unigram_entropy_of_one_dataset_matches_numpy(tmp_path):
+  config = _config(source="text", paths=_write(tmp_path, "t.txt", "aab" * 40),
                    eval_paths=_write(tmp_path, "e.txt", "some eval text"))
-  probabilities = np.array([2 / 3, 1 / 3])
-  np.testing.assert_allclose(pipeline.build_data(config).unigram_entropy_nats,
-                             -np.sum(probabilities * np.log(probabilities)), rtol=1e-12)
+  p = np.array([80, 40, 1]) / 121  # a, b and the one EOS
+  np.testing.assert_allclose(pipeline.build_data(config).unigram_entropy_nats, -np.sum(p * np.log(p)), rtol=1e-12)
 
 
-def test_a_single_file_is_split_by_documents_whatever_its_name(tmp_path):
-  # With eval_fraction 0.3, about 3 in 10 names hash into the held-out set; a single file must still
-  # leave documents on both sides, and the split must not depend on the folder the file is in.
-  lines = "\n".join(json.dumps({"text": f"document {i}"}) for i in range(10))
-  splits = set()
-  for i in range(20):
-    folder = tmp_path / f"copy{i}"
-    folder.mkdir()
-    path = _write(folder, f"corpus{i}.jsonl", lines)
-    train, evaluation = documents.train_and_eval(DataConfig(source="jsonl", paths=path, eval_fraction=0.3))
-    assert len(train) == 7 and len(evaluation) == 3
-    splits.add((tuple(train), tuple(evaluation)))
-  assert len(splits) == 1
-  two = [_write(tmp_path, f"part{i}.jsonl", lines) for i in range(2)]
-  for folder in ("a", "b"):  # the same two files in two places split the same way
-    (tmp_path / folder).mkdir()
-    moved = [_write(tmp_path / folder, pathlib.Path(p).name, lines) for p in two]
-    assert documents.train_and_eval(DataConfig(source="jsonl", paths=",".join(moved), eval_fraction=0.3)) == \
-        documents.train_and_eval(DataConfig(source="jsonl", paths=",".join(two), eval_fraction=0.3))
+@pytest.mark.parametrize("seed", range(6))
+def test_mixture_counts_and_select_against_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  k = int(rng.integers(2, 7))
+  weights = rng.dirichlet(np.full(k, 0.5 if seed % 2 else 2.0)).tolist()
+  mixture = Mixture(weights)
+  n = np.arange(3001)
+  counts = mixture.counts(n)
+  assert counts.shape == (len(n), k)
+  np.testing.assert_array_equal(counts.sum(axis=1), n)
+  np.testing.assert_array_equal(counts[0], 0)
+  steps = np.diff(counts, axis=0)
+  assert steps.min() >= 0 and (steps.sum(axis=1) == 1).all()  # one dataset takes each row
+  assert np.abs(counts - n[:, None] * np.asarray(weights)).max() <= 1 + k
+  taken, want_dataset, want_index = [0] * k, [], []  # the brute force: walk the rows in order
+  for g in range(3000):
+    d = int(np.flatnonzero(counts[g + 1] != counts[g])[0])
+    want_dataset.append(d)
+    want_index.append(taken[d])
+    taken[d] += 1
+  dataset, index = mixture.select(np.arange(3000))
+  assert dataset.tolist() == want_dataset and index.tolist() == want_index
+  order = rng.permutation(3000)  # random access: any order, one at a time
+  dataset, index = mixture.select(order)
+  assert dataset.tolist() == [want_dataset[g] for g in order] and index.tolist() == [want_index[g] for g in order]
+  far = rng.integers(0, 2**40, 50)
+  dataset, index = mixture.select(far)
+  before, after = mixture.counts(far), mixture.counts(far + 1)
+  np.testing.assert_array_equal((after - before)[np.arange(50), dataset], 1)
+  np.testing.assert_array_equal(index, before[np.arange(50), dataset])
+
+
+def test_mixture_entries_and_weight_errors():
+  assert mixture_entries("a=/x:0.75, b=/y:0.25") == [("a", "/x", 0.75), ("b", "/y", 0.25)]
+  assert mixture_entries("/data/tok/web/") == [("web", "/data/tok/web/", 1.0)]
+  cases = {
+      "a=/x:0.5,b=/y:0.4": "weights that sum to 1; these sum to 0.9",
+      "a=/x:-0.25,b=/y:1.25": "positive finite weights; 'a=/x:-0.25' has -0.25",
+      "a=/x:0,b=/y:1": "positive finite weights",
+      "a=/x:0.75,b=/y": "a weight for every dataset of a mixture",
+      "a=/x:0.5,a=/y:0.5": r"distinct dataset names \(name=folder:weight\); \['a', 'a'\] repeat one",
+      "a=/x:half,b=/y:0.5": "weights as numbers; 'half' in 'a=/x:half' is not",
+  }
+  for paths, message in cases.items():
+    config = _config(source="tokenized", paths=paths)
+    with pytest.raises(ConfigError, match=message) as err:
+      config.validate()
+    assert err.value.field == "data.paths"
+    with pytest.raises(ConfigError, match=message):
+      mixture_entries(paths)
+    with pytest.raises(ConfigError, match=message):
+      pipeline.build_data(config)
+  _config(source="tokenized", paths="a=/x:0.75,b=/y:0.25").validate()
+
+
+# Bad datasets.
+
+
+def _byte_dataset(tmp_path, name: str = "bytes") -> pathlib.Path:
+  return pathlib.Path(_jsonl_dataset(tmp_path, name, _letters(5, "abcdefgh", 20)))
+
+
+def test_vocabulary_larger_than_the_models(tmp_path):
+  folder = _jsonl_dataset(tmp_path, "words", _words(1, 20), tokenizer=_word_tokenizer(tmp_path))
+  config = _config(source="tokenized", paths=folder)
+  with pytest.raises(ConfigError) as err:
+    pipeline.build_data(config)
+  assert err.value.field == "model.vocab_size" and err.value.value == 256
+  assert f"at least 300, the vocabulary of the tokenizer of {folder}" in str(err.value)
+  config.model.vocab_size = 300
+  assert pipeline.build_data(config).tokenizer.vocab_size == 300
+  config.data.tokenizer = str(tmp_path / "other.json")
+  (tmp_path / "other.json").write_text("{}")
+  with pytest.raises(ConfigError) as err:
+    pipeline.build_data(config)
+  assert err.value.field == "data.tokenizer"
+
+
+def test_a_mixture_of_different_tokenizers(tmp_path):
+  words = _jsonl_dataset(tmp_path, "words", _words(2, 20), tokenizer=_word_tokenizer(tmp_path))
+  config = _config(source="tokenized", paths=f"bytes={_byte_dataset(tmp_path)}:0.5,words={words}:0.5")
+  config.model.vocab_size = 512
+  with pytest.raises(DataError, match=r"tokenized with different tokenizers \(bytes: byte; words: .*words.json\)"):
+    pipeline.build_data(config)
+
+
+def test_manifest_that_does_not_match_its_shards(tmp_path):
+  folder = _byte_dataset(tmp_path)
+  config = _config(source="tokenized", paths=str(folder))
+  manifest = json.loads((folder / "manifest.json").read_text())
+  shard = manifest["splits"]["train"]["shards"][0]
+  size = (folder / shard["tokens"]).stat().st_size
+  assert size == shard["num_tokens"] > 0
+  shard["num_tokens"] += 3
+  (folder / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(DataError) as err:
+    pipeline.build_data(config)
+  assert str(err.value) == (f"{folder / shard['tokens']} holds {size:,} bytes; the manifest says {size + 3:,} uint8 "
+                            f"tokens ({size + 3:,} bytes): the shard is truncated or does not belong here")
+  shard["num_tokens"] -= 3
+  (folder / "manifest.json").write_text(json.dumps(manifest))
+  assert pipeline.build_data(config).train_tokens == manifest["splits"]["train"]["num_tokens"]
+  (folder / "manifest.json").write_text("{not json")
+  with pytest.raises(DataError, match="manifest.json is not a valid manifest"):
+    pipeline.build_data(config)
+
+
+def test_truncated_and_missing_shards(tmp_path):
+  folder = _byte_dataset(tmp_path)
+  config = _config(source="tokenized", paths=str(folder))
+  tokens = folder / "train-000000.tokens"
+  data = tokens.read_bytes()
+  tokens.write_bytes(data[:-5])
+  with pytest.raises(DataError, match=rf"{tokens} holds {len(data) - 5:,} bytes; .* the shard is truncated"):
+    pipeline.build_data(config)
+  with pytest.raises(DataError, match="truncated"):
+    token_store.verify(folder)
+  tokens.unlink()
+  with pytest.raises(DataError, match=rf"{folder}/manifest.json names train-000000.tokens, which is missing"):
+    pipeline.build_data(config)
+  tokens.write_bytes(data[:-1] + b"z")  # the right size, other bytes: only verify's checksums see it
+  assert pipeline.build_data(config).train_tokens == len(data)
+  with pytest.raises(DataError, match=rf"{tokens}: its SHA-256 differs from the manifest's; the file is corrupt"):
+    token_store.verify(folder)
+  index = folder / "train-000000.index.npy"
+  np.save(index, np.load(index)[:-1])
+  with pytest.raises(DataError, match=rf"{index} does not match the manifest"):
+    pipeline.build_data(config)
+
+
+def test_folder_without_a_manifest(tmp_path):
+  folder = _byte_dataset(tmp_path)
+  (folder / "manifest.json").unlink()
+  config = _config(source="tokenized", paths=str(folder))
+  with pytest.raises(DataError) as err:
+    pipeline.build_data(config)
+  assert str(err.value) == (f"{folder} is not a tokenized dataset: it has no manifest.json (its tokenization did "
+                            "not finish: run experiments.tokenize again to complete it)")
+  (tmp_path / "plain").mkdir()
+  with pytest.raises(DataError) as err:
+    pipeline.build_data(_config(source="tokenized", paths=str(tmp_path / "plain")))
+  assert str(err.value) == f"{tmp_path / 'plain'} is not a tokenized dataset: it has no manifest.json"
+
+
+def _first_row_index(config: Config, windows: list[tuple]) -> int:
+  """The row the first batch of an undamaged run reads first (the first of its rows)."""
+  first = _rows_of([next(pipeline.build_data(config).train)])[0]
+  assert windows.count(first) == 1
+  return windows.index(first)
+
+
+def test_a_corrupt_token_met_mid_run(tmp_path):
+  texts = _words(3, 40)
+  folder = pathlib.Path(_jsonl_dataset(tmp_path, "words", texts, tokenizer=_word_tokenizer(tmp_path)))
+  config = _config(source="tokenized", paths=str(folder), batch_size=4, loader_threads=2)
+  config.model.vocab_size = 512
+  assert len(json.loads((folder / "manifest.json").read_text())["splits"]["train"]["shards"]) == 1
+  windows = _windows(_stream(folder, "train"), 8)
+  row = _first_row_index(config, windows)
+  built = pipeline.build_data(config)
+  position = row * 8 + 3  # inside that row only
+  with open(folder / "train-000000.tokens", "r+b") as f:
+    f.seek(2 * position)
+    f.write(np.asarray([65535], "<u2").tobytes())
+  batch, error = _next_or_error(built.train)
+  assert batch is None and isinstance(error, DataError), error
+  assert str(error) == (f"corrupt record in {folder / 'train-000000.tokens'} at token {position:,}: token id 65535 "
+                        "is outside the manifest's vocabulary of 300")
+
+
+def test_a_shard_truncated_mid_run(tmp_path):
+  folder = _byte_dataset(tmp_path)
+  config = _config(source="tokenized", paths=str(folder), batch_size=4, loader_threads=2)
+  windows = _windows(_stream(folder, "train"), 8)
+  row = _first_row_index(config, windows)
+  built = pipeline.build_data(config)
+  tokens = folder / "train-000000.tokens"
+  size = row * 8 + 2
+  with open(tokens, "r+b") as f:
+    f.truncate(size)
+  batch, error = _next_or_error(built.train)
+  assert batch is None and isinstance(error, DataError), error
+  assert str(error) == (f"{tokens}: reading 9 tokens at token {row * 8:,} returned 2; the shard was truncated after "
+                        "the run started")
+
+
+# The default: the standard library, through the cache.
+
+
+def test_stdlib_default_through_the_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("MESHMOE_CACHE", str(tmp_path))
+  config = Config()
+  config.train.seq_len, config.train.global_batch_size, config.train.eval_batches = 32, 4, 1
+  logs = []
+  built = pipeline.build_data(config, log=logs.append)
+  assert any("into the cache" in line for line in logs)
+  (folder,) = (tmp_path / "tokenized").iterdir()
+  manifest = json.loads((folder / "manifest.json").read_text())
+  batch = next(built.train)
+  assert batch["inputs"].shape == (4, 32) and batch["mask"].min() == 1.0
+  assert built.sources == ["stdlib"] and len(built.eval_batches["stdlib"]) == 1
+
+  texts = [p.read_bytes().decode("utf-8", errors="replace") for p in tokenizing.documents.stdlib_files()]
+  texts = [t for t in texts if t]
+  held = sum(zlib.crc32(t.encode("utf-8", errors="replace")) % 100_000 < 5_000 for t in texts)
+  assert (manifest["splits"]["eval"]["num_documents"], manifest["splits"]["train"]["num_documents"]) == (
+      held, len(texts) - held)
+  assert 0.02 < held / len(texts) < 0.1
+  tokens = np.concatenate([np.fromfile(folder / s["tokens"], np.uint8)
+                           for s in manifest["splits"]["train"]["shards"]])
+  p = np.bincount(tokens, minlength=256) / len(tokens)
+  p = p[p > 0]
+  np.testing.assert_allclose(built.unigram_entropy_nats, -np.sum(p * np.log(p)), rtol=1e-12)
+  assert built.train_tokens == len(tokens)
+
+  mtime = (folder / "manifest.json").stat().st_mtime_ns
+
+  def no_tokenizing(*args, **kwargs):
+    raise AssertionError("the second build tokenized again")
+
+  monkeypatch.setattr(tokenizing, "tokenize_corpus", no_tokenizing)
+  logs.clear()
+  again = pipeline.build_data(config, log=logs.append)
+  assert logs == [] and list((tmp_path / "tokenized").iterdir()) == [folder]
+  assert (folder / "manifest.json").stat().st_mtime_ns == mtime
+  assert _rows_of([next(again.train)]) == _rows_of([batch])

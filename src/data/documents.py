@@ -141,7 +141,8 @@ def _jsonl_documents(path: pathlib.Path, start: int, stop: int) -> list[str]:
   docs = []
   with open(path, "rb") as f:
     f.seek(start)
-    for number, line in enumerate(f.read(stop - start).splitlines()):
+    # Lines end at "\n" only: a bare "\r" is whitespace inside JSON (splitlines would cut there too).
+    for number, line in enumerate(f.read(stop - start).split(b"\n")):
       if not line.strip():
         continue
       try:

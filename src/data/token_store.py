@@ -29,6 +29,7 @@ import json
 import os
 import pathlib
 import resource
+import threading
 
 import numpy as np
 
@@ -171,6 +172,7 @@ class SplitReader:
     self.num_documents = sum(s["num_documents"] for s in shards)
     self.dtype = manifest.dtype
     self._fds: dict[int, int] = {}
+    self._lock = threading.Lock()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard and len(shards) > soft // 2:
       resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -191,9 +193,10 @@ class SplitReader:
                         f"{len(raw) // self.dtype.itemsize:,}; the shard was truncated after the run started")
       out[done:done + count] = np.frombuffer(raw, self.dtype.newbyteorder("<"))
       done, shard = done + count, shard + 1
-    if length and int(out.max()) >= self.manifest.vocab_size:
-      bad = int(np.argmax(out >= self.manifest.vocab_size))
-      raise DataError(f"corrupt record in {self._locate(start + bad)}: token id {int(out[bad])} is outside the "
+    # uint32 ids of 2**31 and more read back negative as int32: corrupt as well.
+    if length and (int(out.max()) >= self.manifest.vocab_size or int(out.min()) < 0):
+      bad = int(np.argmax((out >= self.manifest.vocab_size) | (out < 0)))
+      raise DataError(f"corrupt record in {self._locate(start + bad)}: token id {int(out[bad]) % 2**32} is outside the "
                       f"manifest's vocabulary of {self.manifest.vocab_size}")
     return out
 
@@ -212,10 +215,13 @@ class SplitReader:
   def _fd(self, shard: int) -> int:
     fd = self._fds.get(shard)
     if fd is None:
-      try:
-        fd = self._fds.setdefault(shard, os.open(self.paths[shard], os.O_RDONLY))
-      except OSError as e:
-        raise DataError(f"cannot read {self.paths[shard]}: {e.strerror or e}") from None
+      with self._lock:  # the loader's threads: one descriptor per shard
+        if shard not in self._fds:
+          try:
+            self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+          except OSError as e:
+            raise DataError(f"cannot read {self.paths[shard]}: {e.strerror or e}") from None
+        fd = self._fds[shard]
     return fd
 
   def close(self) -> None:

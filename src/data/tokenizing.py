@@ -139,7 +139,7 @@ def _hold_out_the_tail_if_needed(out: pathlib.Path, work: list, inputs: dict, to
   total = sum(documents_in(r, "train") for r in records)
   if inputs["eval_fraction"] is None or any(documents_in(r, "eval") for r in records) or total < 2:
     return
-  last = len(work) - 1
+  last = max(i for i, r in enumerate(records) if documents_in(r, "train"))  # the last unit with documents
   held = min(max(1, int(total * inputs["eval_fraction"])), documents_in(records[last], "train"), total - 1)
   for split in token_store.SPLITS:  # the last unit's shards are written again
     for path in out.glob(f"{split}-{last:06d}.*"):
