@@ -24,6 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Fields that depend only on the computation (not on wall-clock time).
 DETERMINISTIC = ("loss", "cross_entropy", "aux_loss", "z_loss", "grad_norm", "learning_rate",
                  "expert_load_imbalance", "dropped_fraction")
+PER_DATASET = ("tokens/", "loss/")  # deterministic too: each dataset's tokens so far, and its eval loss
 STEPS, EVERY = 24, 8
 REFERENCE_FLAGS = [f"--config.train.steps={STEPS}", f"--config.checkpoint.every_steps={EVERY}",
                    "--config.train.log_every=1", "--config.train.eval_every=8", "--config.train.eval_batches=2",
@@ -101,7 +102,8 @@ def records(workdir: pathlib.Path, kinds=("train", "eval")) -> list[dict]:
       continue  # a line still being written
     record = json.loads(line)
     if record["kind"] in kinds:
-      out.append({k: v for k, v in record.items() if k in DETERMINISTIC or k in ("step", "kind")})
+      out.append({k: v for k, v in record.items()
+                  if k in DETERMINISTIC or k in ("step", "kind") or k.startswith(PER_DATASET)})
   return out
 
 

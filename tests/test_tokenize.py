@@ -45,7 +45,6 @@ def _file_digests(folder) -> dict[str, str]:
 
 def test_the_number_of_workers_does_not_change_the_dataset(tmp_path, monkeypatch):
   paths = _corpus(tmp_path)
-  monkeypatch.setattr(tokenizing, "_SERIAL_BELOW_BYTES", 0)  # small inputs would be tokenized in-process
   pools, pool_class = [], concurrent.futures.ProcessPoolExecutor
 
   def recorded_pool(workers, **kwargs):

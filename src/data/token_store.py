@@ -3,12 +3,13 @@
 A dataset folder (written by `python -m experiments.tokenize`, or by the cache on first use of a raw source):
 
   manifest.json            what the folder holds; written last, so a folder without it is not a dataset
-  train-00000.tokens       the tokens of some documents, back to back, each document followed by the
+  train-000000.tokens      the tokens of some documents, back to back, each document followed by the
                            tokenizer's end-of-document token; little-endian uint8/uint16/uint32 (the
                            smallest that holds the vocabulary)
-  train-00000.index.npy    int64 [documents + 1]: where each document starts in the shard, and its end
+  train-000000.index.npy   int64 [documents + 1]: where each document starts in the shard, and its end
   train.unigram.npy        int64 [vocab]: how often each token occurs in the train split
-  eval-00000.tokens ...    the held-out split, the same way
+  eval-000000.tokens ...   the held-out split, the same way
+  progress/                each unit's record (what an interrupted tokenization skips when run again)
 
 Why flat shards and not ArrayRecord: a packed row is a window of seq_len + 1 tokens at any offset of the
 concatenated documents, so a reader wants byte-offset access to a token stream. A flat shard gives it in one

@@ -30,7 +30,8 @@ from meshmoe.data import documents, token_store, tokenizers
 from meshmoe.data.token_store import DataError
 
 UNIT_BYTES = 64 << 20  # input bytes per unit (and so per shard): a few seconds of work for one core
-_SERIAL_BELOW_BYTES = 256 << 20  # smaller inputs are tokenized in this process: starting workers costs more
+_SERIAL_BELOW_BYTES = 256 << 20  # with workers=0 (automatic), smaller inputs are tokenized in this process
+_ENCODE_BYTES = 4 << 20  # text encoded at once within a unit
 
 
 def tokenize_corpus(out: str | pathlib.Path, *, source: str, paths: str = "", eval_paths: str = "",
@@ -61,13 +62,16 @@ def tokenize_corpus(out: str | pathlib.Path, *, source: str, paths: str = "", ev
   if len(todo) < len(work):
     log(f"{out}: resuming, {len(work) - len(todo)} of {len(work)} units already done")
   total_bytes = sum(f[1] for f in inputs["files"] + inputs["eval_files"])
-  workers = workers or min(os.cpu_count() or 1, len(todo))
+  if not workers:  # starting worker processes costs more than small inputs take
+    workers = 1 if total_bytes < _SERIAL_BELOW_BYTES else min(os.cpu_count() or 1, len(todo))
   start, done_bytes = time.perf_counter(), 0
   args = [(i, work[i], tokenizer, eval_fraction, str(out), dtype.str) for i in todo]
-  if workers <= 1 or total_bytes < _SERIAL_BELOW_BYTES:
+  if workers <= 1 or len(todo) <= 1:
     results = map(_tokenize_unit, args)
   else:
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    # One thread per worker inside the Hugging Face tokenizer: the workers already fill the cores.
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_one_tokenizer_thread)
     results = pool.map(_tokenize_unit, args)
   try:
     for count, record in enumerate(results, start=1):
@@ -148,6 +152,10 @@ def _hold_out_the_tail_if_needed(out: pathlib.Path, work: list, inputs: dict, to
   _tokenize_unit((last, tail, tokenizer, inputs["eval_fraction"], str(out), dtype.str))
 
 
+def _one_tokenizer_thread() -> None:
+  os.environ["RAYON_NUM_THREADS"] = "1"  # read when the Hugging Face tokenizer first encodes
+
+
 def _tokenize_unit(args) -> dict:
   """Worker: one unit -> its train and eval shards and its record in progress/."""
   index, unit, tokenizer, eval_fraction, out, dtype = args
@@ -161,16 +169,30 @@ def _tokenize_unit(args) -> dict:
   record = {"input_bytes": sum(len(d.encode("utf-8", errors="replace")) for d in docs)}
   for split in token_store.SPLITS:
     texts = [d for d, e in zip(docs, held_out) if e == (split == "eval")]
-    ids = tokenizers.encode_documents(tok, texts)
-    if tok.eos_id is not None:
-      ids = [np.append(d, np.int32(tok.eos_id)) for d in ids]
-    ids = [d for d in ids if len(d)]
+    ids, counts = _encode(tok, texts, dtype)
     if ids:
       record[split] = token_store.write_shard(out, f"{split}-{index:06d}", ids, dtype)
-      used, counts = np.unique(np.concatenate(ids), return_counts=True)
-      np.savez(out / "progress" / f"unit-{index:06d}.{split}.npz", ids=used, counts=counts)
+      used = np.flatnonzero(counts)
+      np.savez(out / "progress" / f"unit-{index:06d}.{split}.npz", ids=used, counts=counts[used])
   token_store.write_json(out / "progress" / f"unit-{index:06d}.json", record)
   return record
+
+
+def _encode(tok, texts: list[str], dtype: np.dtype) -> tuple[list[np.ndarray], np.ndarray]:
+  """Each text's ids in the shard's dtype, followed by EOS, and the unit's token counts. Encodes a few MB of
+  text at a time: a whole unit's Hugging Face encodings (strings, offsets, masks) would take GBs."""
+  ids, counts, start = [], np.zeros(tok.vocab_size, np.int64), 0
+  while start < len(texts):
+    stop, size = start, 0
+    while stop < len(texts) and size < _ENCODE_BYTES:
+      size, stop = size + len(texts[stop]), stop + 1
+    for doc in tokenizers.encode_documents(tok, texts[start:stop]):
+      doc = np.append(doc, tok.eos_id).astype(dtype) if tok.eos_id is not None else doc.astype(dtype)
+      if len(doc):
+        counts += np.bincount(doc, minlength=tok.vocab_size)[:tok.vocab_size]
+        ids.append(doc)
+    start = stop
+  return ids, counts
 
 
 def _finish(out: pathlib.Path, inputs: dict, num_units: int, tok, dtype: np.dtype) -> token_store.Manifest:

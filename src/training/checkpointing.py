@@ -176,7 +176,11 @@ class Checkpointer:
     return None
 
   def _set_aside_unfinished_saves(self) -> None:
-    for path in sorted(self.directory.glob(f"*{_TMP_MARKER}*")):
+    unfinished = sorted(self.directory.glob(f"*{_TMP_MARKER}*"))
+    # Every process lists them before process 0 moves any: a process listing later would find none, skip
+    # the barriers of _set_aside, and leave the others waiting there (a resume after a kill mid-save hung).
+    _barrier("meshmoe_listed_unfinished_saves")
+    for path in unfinished:
       self._set_aside(path, f"the unfinished save {path.name} (the run stopped while writing it)")
 
   def _set_aside(self, path: pathlib.Path, what: str) -> None:
