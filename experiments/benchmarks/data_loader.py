@@ -208,8 +208,8 @@ def part_tokenize(work: pathlib.Path) -> dict:
     r = run_tokenize(str(corpus), work / "datasets" / f"web_{name}", tokenizer)
     results[name] = r
     print(f"tokenize {name}: {r['measured_input_MB_per_s']:.1f} MB/s of text ({r['measured_wall_seconds']:.1f}s), "
-          f"{r['tokens_written']:,} {r['dtype']} tokens, peak RSS {r['measured_peak_rss_MiB_largest_process']:,.0f} MiB",
-          flush=True)
+          f"{r['tokens_written']:,} {r['dtype']} tokens, "
+          f"peak RSS {r['measured_peak_rss_MiB_largest_process']:,.0f} MiB", flush=True)
   return results
 
 
