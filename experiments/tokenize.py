@@ -46,8 +46,9 @@ def main(argv):
       return
     if not _SOURCE.value or not _OUT.value:
       sys.exit("error: --source and --out are required (or --verify=FOLDER); --helpfull lists the flags")
-    if _SOURCE.value != "stdlib" and not _PATHS.value.strip():
-      sys.exit(f"error: --paths is required for --source={_SOURCE.value}")
+    if (_SOURCE.value == "stdlib") == bool(_PATHS.value.strip()):
+      sys.exit(f"error: --paths is required for --source={_SOURCE.value}" if _SOURCE.value != "stdlib" else
+               "error: --source=stdlib reads this interpreter's standard library and takes no --paths")
     if not 0 < _EVAL_FRACTION.value < 1:
       sys.exit(f"error: --eval_fraction={_EVAL_FRACTION.value} must be strictly between 0 and 1")
     start = time.perf_counter()

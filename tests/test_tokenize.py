@@ -170,6 +170,9 @@ def test_tokenize_cli_errors(tmp_path):
   bad_flag = _cli("--source=text", f"--paths={tmp_path}/a.txt", f"--out={tmp_path}/out", "--workers=-1")
   assert bad_flag.returncode != 0 and "Traceback" not in bad_flag.stderr
   assert "flag --workers=-1: -1 is not a non-negative integer" in bad_flag.stderr.splitlines()[0]
+  stdlib_with_paths = _cli("--source=stdlib", f"--paths={tmp_path}/a.txt", f"--out={tmp_path}/out")
+  assert stdlib_with_paths.returncode == 1 and stdlib_with_paths.stderr.strip() == (
+      "error: --source=stdlib reads this interpreter's standard library and takes no --paths")
   no_files = _cli("--source=text", f"--paths={tmp_path}/nothing*.txt", f"--out={tmp_path}/out")
   assert no_files.returncode == 1 and no_files.stdout == ""
   assert no_files.stderr.strip() == f"error: paths: '{tmp_path}/nothing*.txt' matches no file"
