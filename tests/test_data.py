@@ -13,6 +13,7 @@ import pytest
 
 from meshmoe.config import Config, ConfigError, DataConfig, mixture_entries
 from meshmoe.data import pipeline, token_store, tokenizers, tokenizing
+from meshmoe.data import rows as rows_lib
 from meshmoe.data.mixture import Mixture
 from meshmoe.data.token_store import DataError
 
@@ -778,3 +779,23 @@ def test_stdlib_default_through_the_cache(tmp_path, monkeypatch):
   assert logs == [] and list((tmp_path / "tokenized").iterdir()) == [folder]
   assert (folder / "manifest.json").stat().st_mtime_ns == mtime
   assert _rows_of([next(again.train)]) == _rows_of([batch])
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_loader_threads_zero_reads_in_the_train_loop(monkeypatch, threads):
+  # grain's default read options (16 threads, 500 batches ahead) must never stand in for 0.
+  readers, read = set(), rows_lib.PackedRows.read
+
+  def recording_read(self, row, out):
+    readers.add(threading.current_thread().name)
+    return read(self, row, out)
+
+  monkeypatch.setattr(rows_lib.PackedRows, "read", recording_read)
+  built = pipeline.build_data(_config(seq_len=32, batch_size=4, loader_threads=threads), log=_quiet)
+  readers.clear()  # the eval batches are read in this thread while building
+  for _ in range(3):
+    next(built.train)
+  if threads:
+    assert readers and threading.current_thread().name not in readers
+  else:
+    assert readers == {threading.current_thread().name}

@@ -68,8 +68,9 @@ def build_data(config: Config, rows: range | None = None, log=print) -> Data:
   mixture = Mixture(weights)
   seeds = [zlib.crc32(f"{train.seed}/{name}".encode()) for name in names]
   batches = _Batches(train_rows, mixture, seeds, batch_size, rows, train.seq_len, names)
+  # Always explicit: grain's default (read_options=None) is 16 threads and 500 batches ahead.
   options = grain.ReadOptions(num_threads=cfg.loader_threads, prefetch_buffer_size=2 * cfg.loader_threads)
-  dataset = grain.MapDataset.source(batches).to_iter_dataset(options if cfg.loader_threads else None)
+  dataset = grain.MapDataset.source(batches).to_iter_dataset(options)
   evals = {}
   for name in names:
     source = _Batches([eval_rows[name]], Mixture([1.0]), None, batch_size, rows, train.seq_len, [name])
