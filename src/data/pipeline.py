@@ -137,8 +137,11 @@ class _Batches:
     return dataset, row
 
   def source_tokens(self, batch: int) -> np.ndarray:
-    dataset, row = self._locate(batch)
-    return np.asarray([self.sources[k].target_tokens(row[dataset == k]).sum() for k in range(len(self.sources))],
+    return self._counts(*self._locate(batch))
+
+  def _counts(self, dataset: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """The loss tokens each dataset contributes to a global batch (all of its rows, every process's)."""
+    return np.asarray([source.target_tokens(row[dataset == k]).sum() for k, source in enumerate(self.sources)],
                       np.int64)
 
   def __getitem__(self, batch: int) -> dict[str, np.ndarray]:
@@ -147,10 +150,9 @@ class _Batches:
     lengths = np.empty(len(self.rows), np.int64)
     for i, r in enumerate(self.rows):
       lengths[i] = self.sources[dataset[r]].read(int(row[r]), tokens[i])
-    counts = [self.sources[k].target_tokens(row[dataset == k]).sum() for k in range(len(self.sources))]
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "mask": (np.arange(self.seq_len) < lengths[:, None] - 1).astype(np.float32),
-            "source_tokens": np.asarray(counts, np.int64)}
+            "source_tokens": self._counts(dataset, row)}
 
 
 def _without_counts(batch: dict) -> dict:
