@@ -17,8 +17,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from meshmoe.pallas_kernels import ring
-from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
+from meshmoe.pallas_kernels.grouped_weight_gradient import mosaic_gpu as weight_gradient_mosaic
+from meshmoe.pallas_kernels.grouped_weight_gradient import reference as weight_gradient_reference
 from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic, tpu as dispatch_tpu
 from meshmoe.pallas_kernels.moe_gemm_return import mosaic_gpu as return_mosaic, tpu as return_tpu
 from meshmoe.pallas_kernels.moe_routing import TilePlan
@@ -29,25 +29,28 @@ from meshmoe.pallas_kernels.ring import Axes
 def dispatch_gemm(options: Options, axes: Axes) -> Callable:
   """(xs_SD, weights, plan) -> (xr_RD, *products) on `options.backend`."""
   if options.backend == "tpu_interpret":
-    return functools.partial(dispatch_tpu.dispatch_gemm, axes=axes, interpret=ring.INTERPRET_PARAMS)
+    return functools.partial(dispatch_tpu.dispatch_gemm, axes=axes, num_blocks=options.num_blocks,
+                             tiles=options.tiles)
   return functools.partial(dispatch_mosaic.dispatch_gemm, axes=axes, tiles=options.tiles,
-                           num_sms=options.num_sms)
+                           num_blocks=options.num_blocks)
 
 
 def gemm_return(options: Options, axes: Axes) -> Callable:
   """(hs, weights, plan) -> ret_SD on `options.backend`."""
   if options.backend == "tpu_interpret":
-    return functools.partial(return_tpu.gemm_return, axes=axes, interpret=ring.INTERPRET_PARAMS)
-  return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_sms=options.num_sms)
+    return functools.partial(return_tpu.gemm_return, axes=axes, num_blocks=options.num_blocks, tiles=options.tiles)
+  return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_blocks=options.num_blocks)
 
 
 def expert_weight_gradient(options: Options, rows_RD: jax.Array, grads_RF: jax.Array, plan: TilePlan,
                            weight: jax.Array) -> jax.Array:
   """[E_l, D, F] in `weight`'s dtype: for each local expert, its receive rows transposed times their
   gradients. A receive buffer holds each expert's rows contiguously, in whole tiles (moe_routing.py)."""
-  return grouped_weight_gradient.weight_gradient(rows_RD, grads_RF, plan.expert_rows, weight,
-                                                 tile_rows=options.tiles.block_m, backend=options.backend,
-                                                 tiles=options.tiles, num_sms=options.num_sms)
+  if options.backend == "mosaic_gpu":
+    return weight_gradient_mosaic.weight_gradient(rows_RD, grads_RF.astype(rows_RD.dtype), plan.expert_rows,
+                                                  weight, tile_rows=options.tiles.block_m, tiles=options.tiles,
+                                                  num_blocks=options.num_blocks)
+  return weight_gradient_reference.weight_gradient(rows_RD, grads_RF, plan.expert_rows, weight)
 
 
 def transposed(weights) -> tuple[jax.Array, ...]:

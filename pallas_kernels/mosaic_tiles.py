@@ -25,7 +25,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # WGMMA multiplies 16-bit floating point inputs (float32 would need TF32 and different tiles).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-H100_SMS = 132
 # Hopper's shared memory per block (opt-in maximum, the figure XLA's H100 spec gives).
 SHARED_MEMORY_BYTES = 232_448
 

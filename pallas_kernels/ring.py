@@ -7,9 +7,10 @@ kernel and its XLA reference agree on who holds which block.
 
 Backends of every op (`api.py` picks one):
 - "collectives": plain jax.lax collectives and jnp GEMMs (reference.py), autodiff as usual;
-- "tpu_interpret": the TPU-style twin (tpu.py) run by Pallas' TPU interpreter on CPU devices, with DMAs
-  executed only when waited on and the race detector on (INTERPRET_PARAMS): it checks the protocol;
-- "mosaic_gpu": the Mosaic GPU kernel (mosaic_gpu.py), for Hopper GPUs.
+- "tpu_interpret": the twin (tpu.py): the op's protocol (protocol.py) on twin_machine.py, run by Pallas'
+  TPU interpreter on CPU devices with DMAs executed only when waited on and the race detector on
+  (INTERPRET_PARAMS): it checks the protocol the GPU runs;
+- "mosaic_gpu": the same protocol on gpu_machine.py (mosaic_gpu.py), for Hopper GPUs.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def size(axes: Axes) -> int:
 
 
 def index(axes: Axes) -> jax.Array:
-  """This device's position on the ring."""
+  """This device's position on the ring. Axes of size 1 contribute nothing and are not asked: inside a
+  Mosaic GPU kernel an axis index is NVSHMEM's PE number, which a ring of one must not need."""
   position = 0
   for a in axes:
-    position = position * lax.axis_size(a) + lax.axis_index(a)
+    if lax.axis_size(a) > 1:
+      position = position * lax.axis_size(a) + lax.axis_index(a)
   return position
 
 
@@ -79,22 +82,14 @@ def varying_like(value: jax.Array, *operands: jax.Array, axes: Axes = ()) -> jax
   return lax.pcast(value, missing, to="varying") if missing else value
 
 
-def barrier_with_left(axes: Axes) -> None:
-  """TPU-style kernels whose left neighbour writes into them: each device signals its left neighbour and
-  waits for its right one's signal, so nobody writes into a device that has not entered the kernel."""
-  if size(axes) > 1:
-    barrier = pltpu.get_barrier_semaphore()
-    pl.semaphore_signal(barrier, 1, device_id=device(axes, shift(axes, -1)))
-    pl.semaphore_wait(barrier, 1)
-
-
-def barrier_with_all(axes: Axes) -> None:
-  """TPU-style kernels where every device may write into every other: each enters only once all have."""
+def barrier_with_all(axes: Axes, core=None) -> None:
+  """Twin kernels: each device (each simulated block `core`) enters only once the same block of every other
+  device of the ring has, as the GPU kernels' launch barrier: nobody writes into a peer that has not started."""
   p = size(axes)
   if p > 1:
     barrier = pltpu.get_barrier_semaphore()
     for offset in range(1, p):
-      pl.semaphore_signal(barrier, 1, device_id=device(axes, shift(axes, offset)))
+      pl.semaphore_signal(barrier, 1, device_id=device(axes, shift(axes, offset)), core_index=core)
     pl.semaphore_wait(barrier, p - 1)
 
 

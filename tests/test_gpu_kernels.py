@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshmoe.config import MeshConfig, ParallelConfig
-from meshmoe.pallas_kernels import moe_routing
+from meshmoe.pallas_kernels import moe_routing, sm_budget
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_api
 from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient_api
 from meshmoe.pallas_kernels.matmul_reducescatter import api as scatter_api
@@ -457,7 +457,7 @@ def _on_ring(fn, in_specs, out_specs):
 
 
 def _num_sms() -> int:
-  return _hardware().num_sms or 132
+  return sm_budget.device_sms()
 
 
 def _moe_layer(backend: str, num_sms: int, e_local: int):

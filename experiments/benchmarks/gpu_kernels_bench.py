@@ -154,7 +154,7 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
   from jax.sharding import Mesh
   from jax.sharding import PartitionSpec as P
 
-  from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
+  from meshmoe.pallas_kernels import moe_routing, mosaic_tiles, sm_budget
   from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api
   from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic
   from meshmoe.sharding import tokamax_gemm
@@ -163,7 +163,8 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
   hardware = Hardware.of(device)
   kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
   hopper = on_gpu and hardware.compute_capability.startswith("9.")
-  num_sms = hardware.num_sms or mosaic_tiles.H100_SMS
+  num_sms = hardware.num_sms or None  # None: read from the device
+  num_blocks = sm_budget.kernel_blocks("mosaic_gpu", num_sms) if hopper else 0
   sizes_np = np.full((e,), m // e, np.int64)
   sizes_np[: m % e] += 1  # balanced; the first m % e experts take one row more
   offsets = np.concatenate([[0], np.cumsum(sizes_np)])
@@ -220,7 +221,7 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
       if mode == "fwd":
         xs = on_ring(lambda x, plan: moe_routing.send_buffer(x, plan, tm, plan.send_dst.shape[0]), 2, 1)(x, tile_plan)
         kernel = jax.jit(jax.shard_map(
-            lambda xs, w, plan: dispatch_mosaic.dispatch_gemm(xs, (w,), plan, ("x",), num_sms=num_sms)[1],
+            lambda xs, w, plan: dispatch_mosaic.dispatch_gemm(xs, (w,), plan, ("x",), num_blocks=num_blocks)[1],
             mesh=mesh, in_specs=(P(), P("x"), P()), out_specs=P("x"), check_vma=True))
         check_tiles = (lambda y: relative_error(y[:m], reference)) if whole_tiles else None
         rows.append(run_row(row, lambda: (kernel, (xs, w, tile_plan)), check_tiles))
@@ -273,7 +274,7 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
                                                            implementation=kernels.contraction)) if kernels else None,
       "mosaic_tiles": (lambda x, dy: weight_gradient.weight_gradient(
           x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
-          num_sms=hardware.num_sms or mosaic_tiles.H100_SMS)) if hopper else None,
+          num_sms=hardware.num_sms or None)) if hopper else None,
       "ragged_dot": lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16),
       "dense_loop": lambda x, dy: jnp.stack([x[offsets[i]:offsets[i + 1]].T @ dy[offsets[i]:offsets[i + 1]]
                                              for i in range(e)]),

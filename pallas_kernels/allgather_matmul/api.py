@@ -3,7 +3,7 @@
   out_PMN = allgather_matmul(x_MK, w_KN, axes, backend=...)   # inside jax.shard_map over `axes`
 
 out_PMN[j] = (device j's x_MK) @ w_KN for every device j of the ring (reference.py). Backends:
-"collectives" (all_gather then einsum, plain autodiff), "tpu_interpret" (the TPU-style twin in Pallas' TPU
+"collectives" (all_gather then einsum, plain autodiff), "tpu_interpret" (the twin: protocol.py in Pallas' TPU
 interpreter, CPU devices) and "mosaic_gpu" (the Hopper kernel; `unsupported` says which shapes it takes).
 The fused backends share one custom gradient (flux_backends.py): dx is the GEMM + reduce-scatter kernel
 of dout_PMN with w_KN transposed, dw the local product of the gathered blocks (saved by the forward
@@ -28,12 +28,12 @@ from meshmoe.pallas_kernels.options import Options
 
 
 def allgather_matmul(x_MK: jax.Array, w_KN: jax.Array, axes, *, backend: str,
-                     tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
+                     tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int | None = None) -> jax.Array:
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
   if backend == "collectives":
     return reference.allgather_matmul(x_MK, w_KN, axes)
-  return _fused(Options(backend, tiles, num_sms), axes, x_MK, w_KN)
+  return _fused(Options.of(backend, tiles, num_sms), axes, x_MK, w_KN)
 
 
 def unsupported(m: int, k: int, n: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:

@@ -3,7 +3,7 @@
   dw_EDF = weight_gradient(x_RD, dy_RF, rows_E, like, tile_rows=TM, backend=...)
 
 For each expert e, its contiguous rows of x transposed times theirs of dy (reference.py). Backends:
-"collectives" and "tpu_interpret" use XLA's transposed ragged dot (no TPU-style twin: nothing
+"collectives" and "tpu_interpret" use XLA's transposed ragged dot (no twin: nothing
 communicates); "mosaic_gpu" the Hopper kernel, which reads only each expert's own rows. The MoE kernels'
 backward passes (moe_backends.py) call this for the expert weights' gradients.
 
@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import jax
 
-from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels import mosaic_tiles, ring, sm_budget
 from meshmoe.pallas_kernels.grouped_weight_gradient import mosaic_gpu, reference
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
 
 def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: jax.Array, *, tile_rows: int,
                     backend: str, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
-                    num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
+                    num_sms: int | None = None) -> jax.Array:
   ring.check_backend(backend)
   if backend == "mosaic_gpu":
     return mosaic_gpu.weight_gradient(x_RD, dy_RF.astype(x_RD.dtype), rows_E, like, tile_rows=tile_rows,
-                                      tiles=tiles, num_sms=num_sms)
+                                      tiles=tiles, num_blocks=sm_budget.kernel_blocks(backend, num_sms))
   return reference.weight_gradient(x_RD, dy_RF, rows_E, like)
 
 

@@ -30,7 +30,7 @@ def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES
 
 
 def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: jax.Array, *, tile_rows: int,
-                    tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS,
+                    tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_blocks: int,
                     interpret=None) -> jax.Array:
   """dw_EDF in `like`'s dtype, as reference.weight_gradient; rows_E must be multiples of tile_rows."""
   d, f, num_experts = x_RD.shape[1], dy_RF.shape[1], rows_E.shape[0]
@@ -79,7 +79,7 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
 
   dw = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((num_experts, d, f), like.dtype),
-      grid=(num_sms,), grid_names=("sm",), compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
+      grid=(num_blocks,), grid_names=("sm",), compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
   )(first_E, tiles_E, x_RD, dy_RF)
   return ring.varying_like(dw, like)
 

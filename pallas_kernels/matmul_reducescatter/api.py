@@ -27,12 +27,12 @@ from meshmoe.pallas_kernels.options import Options
 
 def matmul_reducescatter(y_PMK: jax.Array, w_KN: jax.Array, axes, *, backend: str,
                          tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
-                         num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
+                         num_sms: int | None = None) -> jax.Array:
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
   if backend == "collectives":
     return reference.matmul_reducescatter(y_PMK, w_KN, axes)
-  return _fused(Options(backend, tiles, num_sms), axes, y_PMK, w_KN)
+  return _fused(Options.of(backend, tiles, num_sms), axes, y_PMK, w_KN)
 
 
 def unsupported(m: int, k: int, n: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:

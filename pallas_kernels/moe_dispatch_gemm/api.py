@@ -6,7 +6,7 @@ Each assignment's row (rows_AD, in assignment order) goes to the device holding 
 device's receive buffer laid out by the tile plan (moe_routing.py), where it is multiplied by each of
 `weights` ([E_l, D, F_i], the local experts): products_i [R, F_i], zeros in unused tiles
 (reference.py). Backends: "collectives" (all_gather and pick, plain autodiff), "tpu_interpret" (the
-TPU-style twin in Pallas' TPU interpreter) and "mosaic_gpu" (the Hopper kernel; `unsupported` says which
+twin: protocol.py in Pallas' TPU interpreter) and "mosaic_gpu" (the Hopper kernel; `unsupported` says which
 shapes it takes). The fused backends share one custom gradient (moe_backends.py): the rows' gradient is
 the GEMM + return kernel of the products' gradients with the transposed weights, and the weights'
 gradients are per-expert products of the received rows (saved by the forward kernel) and the products'
@@ -33,15 +33,15 @@ from meshmoe.pallas_kernels.options import Options
 
 def dispatch_gemm(rows_AD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes, *, tile_rows: int,
                   backend: str, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
-                  num_sms: int = mosaic_tiles.H100_SMS) -> tuple[jax.Array, ...]:
+                  num_sms: int | None = None) -> tuple[jax.Array, ...]:
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
   xs_SD = moe_routing.send_buffer(rows_AD, plan, tile_rows, plan.send_dst.shape[0])
   if backend == "collectives":
     return reference.dispatch_gemm(xs_SD, tuple(weights), plan, axes)[1:]
-  if backend == "mosaic_gpu" and tile_rows != tiles.block_m:
+  if tile_rows != tiles.block_m:
     raise ValueError(f"the plan's tile_rows={tile_rows} must be the kernel's block_m={tiles.block_m}")
-  return _fused(Options(backend, tiles, num_sms), axes, xs_SD, tuple(weights), plan)
+  return _fused(Options.of(backend, tiles, num_sms), axes, xs_SD, tuple(weights), plan)
 
 
 def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:

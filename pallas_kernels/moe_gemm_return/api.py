@@ -33,14 +33,14 @@ from meshmoe.pallas_kernels.options import Options
 
 
 def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes, *, backend: str,
-                tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int = mosaic_tiles.H100_SMS) -> jax.Array:
+                tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int | None = None) -> jax.Array:
   """y_AD: each assignment's expert output, back on its owner."""
   ring.check_backend(backend)
   axes = ring.normalize_axes(axes)
   if backend == "collectives":
     ret_SD = reference.gemm_return(tuple(hs), tuple(weights), plan, axes)
   else:
-    ret_SD = _fused(Options(backend, tiles, num_sms), axes, tuple(hs), tuple(weights), plan)
+    ret_SD = _fused(Options.of(backend, tiles, num_sms), axes, tuple(hs), tuple(weights), plan)
   return moe_routing.returned_rows(ret_SD, plan)
 
 

@@ -1,21 +1,30 @@
 """What the kernel tests share: rings of simulated CPU devices, the race detector's verdict, deviceless
 H100 meshes, and the tolerances of 16-bit kernels.
 
-Every communicating kernel is checked three ways (ARCHITECTURE.md, "Kernels"): its TPU-style twin in Pallas' TPU
-interpreter on 4 and 8 CPU devices (`dma_execution_mode="on_wait"`, race detector on) against the
-reference; its Mosaic GPU kernel compiled for 8 H100s without a GPU; and that kernel's compute path (a
-ring of one device, which never signals) in the Mosaic GPU interpreter against the reference.
+Every communicating kernel is checked three ways (ARCHITECTURE.md, "Kernels"; PROTOCOL.md): its protocol on
+the twin machine in Pallas' TPU interpreter on 2, 4 and 8 CPU devices (`dma_execution_mode="on_wait"`,
+race detector on, its verdict checked after every kernel by conftest.py) against the reference; the same
+protocol on the GPU machine compiled for 8 H100s without a GPU; and that kernel's compute path (a ring of
+one device, which never signals) in the Mosaic GPU interpreter against the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import jax
 import numpy as np
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # the race detector's global verdict
+from jax import lax
+from jax.experimental import io_callback
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshmoe.pallas_kernels import twin_machine
+from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.sharding.plan import Hardware
 from tests.model_steps import gpu_mesh
 
 # A 16-bit result rounds the float32 sum once: one bfloat16 unit in the last place of the largest entry.
@@ -23,8 +32,12 @@ BF16_RTOL = 2.0**-7
 GPU_INTERPRET = plgpu.InterpretGPUParams()
 # (mesh shape over ("a", "b"), the ring's axes): rings of 4 and 8 devices, one over two mesh axes (its
 # positions run over both), and one of 4 where the other axis holds independent rings.
-RINGS = [((4, 1), ("a",)), ((2, 2), ("a", "b")), ((8, 1), ("a",)), ((2, 4), ("a", "b")), ((4, 2), ("a",))]
-RING_IDS = ["4", "2x2", "8", "2x4", "4-of-4x2"]
+RINGS = [((2, 1), ("a",)), ((4, 1), ("a",)), ((2, 2), ("a", "b")), ((8, 1), ("a",)), ((2, 4), ("a", "b")),
+         ((4, 2), ("a",))]
+RING_IDS = ["2", "4", "2x2", "8", "2x4", "4-of-4x2"]
+# The twins' tiles for the tests' small shapes (8-row blocks, widths 16 and 24): several tiles per dimension.
+TWIN_TILES = Tiles(block_m=4, block_n=8, block_k=8)
+
 
 
 def cpu_mesh(shape) -> Mesh:
@@ -42,13 +55,69 @@ def per_device(fn, mesh: Mesh, in_specs, out_specs, check_vma: bool = False):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
 
 
-def races_found() -> bool:
-  """Whether the TPU interpreter's race detector flagged the kernel it ran last."""
-  return bool(interpret_pallas_call.races is not None and interpret_pallas_call.races.races_found)
+def most_twin_blocks(mesh: Mesh) -> int:
+  """The most simulated blocks per device a twin test runs on `mesh`: 2 on a mesh of 2 devices, else 1.
+  The interpreter runs each simulated block of a device as its own XLA:CPU execution, which stays blocked
+  in a callback while the block waits, and XLA's CPU executor starts only so many at once: 4 devices x 2
+  blocks and 8 x 2 hung in some runs here (blocks waiting at the launch barrier for blocks never
+  started); 2 x 2 and 2 x 3 never did in 10 runs each. With one block per device nothing is nested."""
+  return 2 if mesh.size == 2 else 1
+
+
+def take_race_verdicts() -> list[str]:
+  """The twin kernels the race detector flagged since the last call, in order (each once), once every
+  kernel dispatched so far has finished and recorded its verdict."""
+  jax.effects_barrier()
+  flagged = [name for name, found in twin_machine.race_verdicts if found]
+  twin_machine.race_verdicts.clear()
+  return list(dict.fromkeys(flagged))
+
+
+@contextlib.contextmanager
+def waits_left_out(primitive: str):
+  """Twins traced inside leave out one kind of wait (`primitive`, a TwinMachine method): a broken protocol."""
+  original = getattr(twin_machine.TwinMachine, primitive)
+  setattr(twin_machine.TwinMachine, primitive, lambda self, *args: None)
+  try:
+    yield
+  finally:
+    setattr(twin_machine.TwinMachine, primitive, original)
+
+
+@contextlib.contextmanager
+def late_puts(devices, seconds: float = 0.02):
+  """Twins traced inside make the given ring positions (of mesh axis "a") sleep before each put, so their
+  tiles arrive after the others' and out of the usual order."""
+  original = twin_machine.TwinMachine.put
+  slow = np.asarray(devices)
+
+  def put(self, *args, **kwargs):
+    @pl.when(_is_one_of(lax.axis_index("a"), slow))
+    def _():
+      io_callback(lambda: time.sleep(seconds), None, ordered=False)
+    original(self, *args, **kwargs)
+
+  twin_machine.TwinMachine.put = put
+  try:
+    yield
+  finally:
+    twin_machine.TwinMachine.put = original
+
+
+def _is_one_of(position, values):
+  found = position == int(values[0])
+  for value in values[1:]:
+    found = found | (position == int(value))
+  return found
 
 
 def h100_mesh(n: int = 8) -> Mesh:
   return gpu_mesh((n,), ("x",))
+
+
+def h100_sms() -> int:
+  """The SMs of the deviceless H100 target, as its devices report them (the fused kernels' SM budget)."""
+  return Hardware.of(h100_mesh(1).devices.flat[0]).num_sms
 
 
 def abstract(mesh: Mesh, shape, dtype, spec) -> jax.ShapeDtypeStruct:

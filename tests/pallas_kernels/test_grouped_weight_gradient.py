@@ -39,7 +39,7 @@ def test_kernel_equals_a_sum_per_expert(tiles_per_expert):
   like = jnp.zeros((len(tiles_per_expert), x.shape[1], dy.shape[1]), jnp.float32)
   mesh = harness.one_device_ring()
   run = lambda fn: harness.per_device(fn, mesh, (P(),) * 4, P())(x, dy, rows, like)
-  got = run(lambda x, dy, rows, like: mosaic_gpu.weight_gradient(x, dy, rows, like, tile_rows=TM, num_sms=3,
+  got = run(lambda x, dy, rows, like: mosaic_gpu.weight_gradient(x, dy, rows, like, tile_rows=TM, num_blocks=3,
                                                                  interpret=harness.GPU_INTERPRET))
   # float32 output, bfloat16 inputs: only the summation order differs from float64.
   assert_close(got, _numpy(x, dy, rows), FP32_MODULE_RTOL, "kernel")
@@ -51,7 +51,8 @@ def test_kernel_compiles_for_an_h100():
   mesh = harness.h100_mesh(1)
   args = [harness.abstract(mesh, (8 * TM, 256), jnp.bfloat16, P()), harness.abstract(mesh, (8 * TM, 512), jnp.bfloat16, P()),
           harness.abstract(mesh, (4,), jnp.int32, P()), harness.abstract(mesh, (4, 256, 512), jnp.bfloat16, P())]
-  hlo = jax.jit(lambda x, dy, rows, like: api.weight_gradient(x, dy, rows, like, tile_rows=TM, backend="mosaic_gpu")
+  hlo = jax.jit(lambda x, dy, rows, like: api.weight_gradient(x, dy, rows, like, tile_rows=TM, backend="mosaic_gpu",
+                                                                    num_sms=harness.h100_sms())
                 ).lower(*args).compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text()
   assert 'custom_call_target="mosaic_gpu' in hlo and " dot(" not in hlo
 

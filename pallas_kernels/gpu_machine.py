@@ -1,0 +1,136 @@
+"""The protocol primitives (PROTOCOL.md) on a Hopper GPU: Mosaic GPU thread blocks, TMA copies, semaphores in
+global memory.
+
+A kernel is `num_blocks` persistent thread blocks (one per SM of the budget, `sm_budget.py`); block b runs
+items b, b + B, b + 2B, ... of each item loop. `put` is a TMA store (a peer's memory through a remote
+reference) followed by a wait until the store is complete, then one signal that adds the bytes moved to
+the receiver's arrival semaphore: the signal is ordered after the data, so a block that has counted the
+bytes may read them. Notices are semaphores with a leading block dimension (`notices.at[owner, ...]`),
+so each is waited on by the one block that owns it, as in the twin, where semaphores belong to a core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.ring import Axes
+
+AXIS = "sm"
+
+
+class GpuMachine:
+  """One thread block's view of a Mosaic GPU kernel (see the module docstring)."""
+
+  def __init__(self, axes: Axes, num_blocks: int, tiles: Tiles):
+    self.axes, self.num_blocks, self.tiles = axes, num_blocks, tiles
+
+  @property
+  def block(self) -> jax.Array:
+    return lax.axis_index(AXIS)
+
+  def owner(self, item) -> jax.Array:
+    """The block that runs `item` of an item loop (and owns its semaphores)."""
+    return lax.rem(item, self.num_blocks)
+
+  def items(self, count):
+    """Decorator: the body runs for this block's items of range(count)."""
+    return pl.loop(self.block, count, step=self.num_blocks)
+
+  def peer(self, offset: int):
+    """(ring position, device id) of the device `offset` steps clockwise. Static: a TMA descriptor for a
+    peer's memory is built at launch, so the peer must follow from the device's own position."""
+    position = ring.shift(self.axes, offset)
+    return position, ring.device(self.axes, position)
+
+  def matmul(self, a_ref, b_ref, copies=(), copy_when=True) -> jax.Array:
+    """a_ref [block_m, K] @ b_ref [K, N] in float32. `copies`: (dst_ref [block_m, K], peer device or None,
+    arrival semaphore or None), made where `copy_when` holds: each A tile is also stored there as it
+    streams through shared memory, and once all are complete each remote copy's arrival counts its bytes."""
+
+    def forward(k_index, a_smem):
+      columns = pl.ds(k_index * self.tiles.block_k, self.tiles.block_k)
+
+      @pl.when(copy_when)
+      def _():
+        for dst_ref, peer, _ in copies:
+          target = dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer)
+          plgpu.copy_smem_to_gmem(a_smem, target.at[:, columns])
+
+    acc = mosaic_tiles.matmul_tile(a_ref, b_ref, self.tiles, on_a_tile=forward if copies else None)
+    if copies:
+      @pl.when(copy_when)
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        for dst_ref, peer, arrival in copies:
+          if peer is not None:
+            pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
+    return acc
+
+  def load(self, ref) -> jax.Array:
+    return mosaic_tiles.load_tile(ref)
+
+  def store(self, value, ref) -> None:
+    mosaic_tiles.store_tile(value, ref)
+
+  def zero(self, ref) -> None:
+    """Zeros a [rows, width] region, one column tile at a time."""
+    mosaic_tiles.zero_row_block(ref, ref.shape[1] // self.tiles.block_n, self.tiles.block_n)
+
+  def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
+    """Copies a [rows, width] region into `dst_ref` (on `peer`; local when None), column tile by column
+    tile, and adds its bytes to `arrival` on the peer once it is complete."""
+    target = dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer)
+    width = self.tiles.block_n
+
+    @pl.loop(0, src_ref.shape[1] // width)  # a loop in the kernel: unrolled, wide rows overflow layout inference
+    def _copy(c):
+      columns = mosaic_tiles.column_block(c, width)
+      mosaic_tiles.store_tile(mosaic_tiles.load_tile(src_ref.at[:, columns]), target.at[:, columns])
+
+    if peer is not None:
+      pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
+
+  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
+    """Stores a tile value into `dst_ref` (on `peer`) and, once complete, adds its bytes to `arrival`."""
+    mosaic_tiles.store_tile(value, dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer))
+    if peer is not None:
+      pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
+
+  def await_arrival(self, arrival, region_ref) -> None:
+    """Waits until `region_ref`'s bytes have arrived, and takes them off the count."""
+    pl.semaphore_wait(arrival, _bytes(region_ref))
+
+  def notify(self, notices, index, owner) -> None:
+    pl.semaphore_signal(notices.at[(owner, *index)], 1)
+
+  def await_notice(self, notices, index) -> None:
+    pl.semaphore_wait(notices.at[(self.block, *index)], 1)
+
+
+def arrival_type(shape):
+  return plgpu.SemaphoreType.REGULAR(tuple(shape))
+
+
+def notice_type(num_blocks: int, shape):
+  return plgpu.SemaphoreType.REGULAR((num_blocks, *shape))
+
+
+def launch(body, *, out_type, scratch_types, num_blocks: int, interpret=None):
+  """Runs `body(*refs)` as `num_blocks` thread blocks. Kernels that communicate (those with semaphores)
+  start with Mosaic GPU's device barrier: every device of the ring has entered the kernel before any block
+  runs. A ring of one skips it, since the barrier needs NVSHMEM, which a single GPU should not."""
+  params = dataclasses.replace(mosaic_tiles.compiler_params(), skip_device_barrier=not scratch_types)
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(num_blocks,),
+                      grid_names=(AXIS,), compiler_params=params, interpret=interpret)
+
+
+def _bytes(ref) -> int:
+  return int(jnp.dtype(ref.dtype).itemsize) * int(ref.shape[0]) * int(ref.shape[1])

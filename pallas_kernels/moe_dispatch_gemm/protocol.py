@@ -1,0 +1,64 @@
+"""MoE dispatch + grouped GEMM: the protocol the GPU kernel and its twin both run (PROTOCOL.md), on a machine
+(gpu_machine.py or twin_machine.py). Tile plan and legend: moe_routing.py; B blocks.
+
+1. send, one pass per peer (the device at offset 0, 1, ..., P-1): my used send tile s, run by block
+   s mod B, is put into tile send_dst_tile[s] of the receiver's buffer xr, whose arrivals[that tile] counts
+   its bytes. Tiles for myself are copied locally. Nothing here waits for a peer.
+2. zero: receive tiles past num_recv (no peer writes them) are zeroed, tile m by block m mod B.
+3. land and compute: used receive tile m is run by the block with the index of the block that sent it,
+   recv_src_tile[m] mod B (the twin's DMA semaphore is on that block; on the GPU it is the block that
+   awaits it). It awaits the tile's bytes (a tile from myself was copied by this very block in phase 1)
+   and multiplies it by its expert's weights, one column tile after another. A tile is computed as soon as
+   its own rows are there, not when the whole exchange is done.
+"""
+
+from __future__ import annotations
+
+from jax.experimental import pallas as pl
+
+from meshmoe.pallas_kernels import ring
+
+
+def run(machine, send_dst, send_dst_tile, num_send, recv_expert, recv_src, recv_src_tile, num_recv, xs_ref,
+        *refs, p: int, num_weights: int) -> None:
+  w_refs, (xr_ref, *out_refs) = refs[:num_weights], refs[num_weights:2 * num_weights + 1]
+  arrivals = refs[2 * num_weights + 1] if p > 1 else None
+  tiles = machine.tiles
+  tile = lambda t: pl.ds(t * tiles.block_m, tiles.block_m)
+  me = ring.index(machine.axes)
+
+  for offset in range(p):
+    dst, peer = machine.peer(offset)
+
+    @machine.items(num_send[0])
+    def _send(s):
+      @pl.when(send_dst[s] == dst)
+      def _():
+        target = xr_ref.at[tile(send_dst_tile[s])]
+        if offset == 0:
+          machine.put(xs_ref.at[tile(s)], target)
+        else:
+          machine.put(xs_ref.at[tile(s)], target, peer, arrivals.at[send_dst_tile[s]])
+
+  @machine.items(xr_ref.shape[0] // tiles.block_m)
+  def _zero_unused(m):
+    @pl.when(m >= num_recv[0])
+    def _():
+      for ref in (xr_ref, *out_refs):
+        machine.zero(ref.at[tile(m)])
+
+  @pl.loop(0, num_recv[0])
+  def _land_and_compute(m):
+    @pl.when(machine.owner(recv_src_tile[m]) == machine.block)
+    def _():
+      if p > 1:
+        @pl.when(recv_src[m] != me)
+        def _():
+          machine.await_arrival(arrivals.at[m], xr_ref.at[tile(m)])
+
+      for w_ref, out_ref in zip(w_refs, out_refs):
+        @pl.loop(0, out_ref.shape[1] // tiles.block_n)
+        def _column(ni):
+          columns = pl.ds(ni * tiles.block_n, tiles.block_n)
+          acc = machine.matmul(xr_ref.at[tile(m)], w_ref.at[recv_expert[m], :, columns])
+          machine.store(acc, out_ref.at[tile(m), columns])
