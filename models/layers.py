@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from meshmoe.sharding import tensor_parallel
+from meshmoe.sharding.grouped_ffn import swiglu_hidden  # the one SwiGLU of dense layers and experts
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], logical_axes: Sequence[str | None], std: float) -> nnx.Param:
@@ -113,14 +114,6 @@ def rotate(x_BSNH: jax.Array, positions_BS: jax.Array, rope: Rope | float) -> ja
   x = x_BSNH.astype(jnp.float32)
   x1, x2 = (x[..., 0::2], x[..., 1::2]) if rope.interleave else (x[..., :half], x[..., half:])
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
-
-
-@jax.checkpoint
-def swiglu_hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
-  """silu(gate) * up, recomputed in the backward pass from gate and up: autodiff would otherwise keep
-  sigmoid(gate) and silu(gate) too, two more [rows, F] buffers per layer (the largest activations of an
-  MoE layer), for elementwise work that costs nothing to redo."""
-  return jax.nn.silu(gate) * up
 
 
 class SwiGLU(nnx.Module):

@@ -26,13 +26,22 @@ from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.ring import Axes
 
 
-def dispatch_gemm(options: Options, axes: Axes) -> Callable:
-  """(xs_SD, weights, plan) -> (xr_RD, *products) on `options.backend`."""
+def dispatch_gemm(options: Options, axes: Axes, swiglu: bool = False) -> Callable:
+  """(xs_SD, weights, plan) -> (xr_RD, *products) on `options.backend` (with `swiglu`: weights (gate,
+  up) and the one product silu(gate) * up)."""
   if options.backend == "tpu_interpret":
     return functools.partial(dispatch_tpu.dispatch_gemm, axes=axes, num_blocks=options.num_blocks,
-                             tiles=options.tiles)
+                             tiles=options.tiles, swiglu=swiglu)
   return functools.partial(dispatch_mosaic.dispatch_gemm, axes=axes, tiles=options.tiles,
-                           num_blocks=options.num_blocks)
+                           num_blocks=options.num_blocks, swiglu=swiglu)
+
+
+def swiglu_gradient(options: Options, axes: Axes) -> Callable:
+  """(xr_RD, dh_RF, gate, up, plan) -> (dgate_RF, dup_RF) on `options.backend` (moe_dispatch_gemm/swiglu.py)."""
+  if options.backend == "tpu_interpret":
+    return functools.partial(dispatch_tpu.swiglu_gradient, axes=axes, num_blocks=options.num_blocks,
+                             tiles=options.tiles)
+  return functools.partial(dispatch_mosaic.swiglu_gradient, tiles=options.tiles, num_blocks=options.num_blocks)
 
 
 def gemm_return(options: Options, axes: Axes) -> Callable:

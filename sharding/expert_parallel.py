@@ -37,8 +37,9 @@ Implementations (the plan's `expert_ffn` picks one; sharding/plan.py):
   plan's exchange (`_EXCHANGES`: ragged or padded) and grouped GEMM;
 - `fused` (pallas tier, on Hopper GPUs, for widths the kernels tile): steps 2-5 as two fused kernels over
   a tile plan (meshmoe.pallas_kernels.moe_routing): dispatch + the gate/up grouped GEMM, each tile's GEMM
-  starting when its rows arrive, then the down projection + the return of each finished tile to its
-  owner, where step 5's combine sums each token's rows.
+  starting when its rows arrive and SwiGLU applied to the tile in the kernel (no [R, F] gate or up buffer;
+  another activation would run between the kernels in XLA), then the down projection + the return of each
+  finished tile to its owner, where step 5's combine sums each token's rows.
 """
 
 from __future__ import annotations
@@ -169,10 +170,12 @@ def _fused(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, ch
   gate, up, down = (parallel.vary_over(a.astype(x_BSD.dtype), union) for a in (w.gate_EDF, w.up_EDF, w.down_EFD))
   tile_rows = mosaic_tiles.DEFAULT_TILES.block_m
   tile_plan = moe_routing.make_tile_plan(experts_BSK.reshape(-1), axes, w.num_experts, tile_rows)
-  gate_RF, up_RF = moe_dispatch_gemm.dispatch_gemm(x_TD[token_A], (gate, up), tile_plan, axes,
-                                                   tile_rows=tile_rows, backend=backend, num_sms=num_sms)
-  y_AD = moe_gemm_return.gemm_return((activation(gate_RF, up_RF),), (down,), tile_plan, axes, backend=backend,
-                                     num_sms=num_sms)
+  options = dict(tile_rows=tile_rows, backend=backend, num_sms=num_sms)
+  if activation is grouped_ffn.swiglu_hidden:  # fused into the dispatch kernel: no [R, F] gate or up buffer
+    hidden_RF = moe_dispatch_gemm.dispatch_swiglu(x_TD[token_A], gate, up, tile_plan, axes, **options)
+  else:
+    hidden_RF = activation(*moe_dispatch_gemm.dispatch_gemm(x_TD[token_A], (gate, up), tile_plan, axes, **options))
+  y_AD = moe_gemm_return.gemm_return((hidden_RF,), (down,), tile_plan, axes, backend=backend, num_sms=num_sms)
   return grouped_ffn.combine(y_AD, weights_BSK.reshape(-1), token_A, b * s).reshape(b, s, d)
 
 

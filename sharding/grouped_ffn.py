@@ -1,7 +1,7 @@
 """The routed experts on one device: the grouped expert FFN and the weighted combine.
 
 Each expert is a gated FFN, down(activation(x @ gate, x @ up)); the model passes the activation (SwiGLU's
-silu(gate) * up, models/layers.py). Shape suffixes as in models/layers.py; rows R of a dispatch buffer
+silu(gate) * up, `swiglu_hidden`). Shape suffixes as in models/layers.py; rows R of a dispatch buffer
 each carry one (token, expert) pair. An expert id equal to the number of experts marks a row that must
 produce zeros: a padding row, or an assignment dropped by capacity (models/capacity.py). That one
 convention lets capacity mode reuse the dropless path (dropped assignments are simply never computed or
@@ -49,6 +49,15 @@ class ExpertWeights:
 jax.tree_util.register_dataclass(ExpertWeights)
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden units
+
+
+@jax.checkpoint
+def swiglu_hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """SwiGLU, the activation of every meshmoe model: silu(gate) * up, recomputed in the backward pass from
+  gate and up: autodiff would otherwise keep sigmoid(gate) and silu(gate) too, two more [rows, F] buffers
+  per layer (the largest activations of an MoE layer), for elementwise work that costs nothing to redo.
+  The fused MoE kernels compute it themselves (expert_parallel.py)."""
+  return jax.nn.silu(gate) * up
 
 
 def grouped_ffn(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, activation: Activation, gemm: str,

@@ -406,7 +406,7 @@ class ParallelPlan:
           "MoE dispatch/return",
           moe_dispatch_gemm.unsupported(d, [f, f], dtype) or moe_gemm_return.unsupported([f], d, dtype))
       if backend:
-        return ExpertChoice("fused", f"dispatch + grouped GEMM, grouped GEMM + return over {ep} devices",
+        return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU, grouped GEMM + return over {ep} devices",
                             kernel_backend=backend)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"

@@ -12,6 +12,11 @@ the GEMM + return kernel of the products' gradients with the transposed weights,
 gradients are per-expert products of the received rows (saved by the forward kernel) and the products'
 gradients. `meshmoe.sharding.expert_parallel` calls this for `parallel.impl="pallas"`.
 
+  hidden_RF = dispatch_swiglu(rows_AD, gate, up, plan, axes, tile_rows=TM, backend=...)
+
+is the same with SwiGLU fused into the kernel (swiglu.py): one [R, F] output silu(gate) * up instead of
+the two products, and a backward that recomputes gate and up per tile.
+
 Legend: A assignments, D model width, F_i weight widths, R receive rows (moe_routing.py).
 """
 
@@ -39,9 +44,26 @@ def dispatch_gemm(rows_AD: jax.Array, weights: Sequence[jax.Array], plan: TilePl
   xs_SD = moe_routing.send_buffer(rows_AD, plan, tile_rows, plan.send_dst.shape[0])
   if backend == "collectives":
     return reference.dispatch_gemm(xs_SD, tuple(weights), plan, axes)[1:]
+  _check_tile_rows(tile_rows, tiles)
+  return _fused(Options.of(backend, tiles, num_sms), axes, False, xs_SD, tuple(weights), plan)
+
+
+def dispatch_swiglu(rows_AD: jax.Array, gate: jax.Array, up: jax.Array, plan: TilePlan, axes, *, tile_rows: int,
+                    backend: str, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_sms: int | None = None) -> jax.Array:
+  """hidden_RF = silu(xr_RD @ gate) * (xr_RD @ up) per receive tile's expert: dispatch_gemm's products
+  through SwiGLU, computed in float32 and rounded once, with no gate or up buffer."""
+  ring.check_backend(backend)
+  axes = ring.normalize_axes(axes)
+  xs_SD = moe_routing.send_buffer(rows_AD, plan, tile_rows, plan.send_dst.shape[0])
+  if backend == "collectives":
+    return reference.dispatch_gemm(xs_SD, (gate, up), plan, axes, swiglu=True)[1]
+  _check_tile_rows(tile_rows, tiles)
+  return _fused(Options.of(backend, tiles, num_sms), axes, True, xs_SD, (gate, up), plan)[0]
+
+
+def _check_tile_rows(tile_rows: int, tiles: Tiles) -> None:
   if tile_rows != tiles.block_m:
     raise ValueError(f"the plan's tile_rows={tile_rows} must be the kernel's block_m={tiles.block_m}")
-  return _fused(Options.of(backend, tiles, num_sms), axes, xs_SD, tuple(weights), plan)
 
 
 def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:
@@ -50,19 +72,21 @@ def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tile
           or next(filter(None, (weight_gradient.unsupported(d, f, dtype, tiles) for f in widths)), None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(options: Options, axes, xs_SD, weights, plan):
-  return _forward(options, axes, xs_SD, weights, plan)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(options: Options, axes, swiglu: bool, xs_SD, weights, plan):
+  return _forward(options, axes, swiglu, xs_SD, weights, plan)[0]
 
 
-def _forward(options, axes, xs_SD, weights, plan):
-  xr_RD, *products = moe_backends.dispatch_gemm(options, axes)(xs_SD, weights, plan)
+def _forward(options, axes, swiglu, xs_SD, weights, plan):
+  xr_RD, *products = moe_backends.dispatch_gemm(options, axes, swiglu)(xs_SD, weights, plan)
   return tuple(products), (xr_RD, weights, plan)
 
 
-def _backward(options, axes, residuals, dproducts):
+def _backward(options, axes, swiglu, residuals, dproducts):
   xr_RD, weights, plan = residuals
   dproducts = tuple(d.astype(xr_RD.dtype) for d in dproducts)
+  if swiglu:  # the products' gradients are gate's and up's, from the hidden units' gradient
+    dproducts = moe_backends.swiglu_gradient(options, axes)(xr_RD, dproducts[0], *weights, plan)
   dxs_SD = moe_backends.gemm_return(options, axes)(dproducts, moe_backends.transposed(weights), plan)
   dweights = tuple(moe_backends.expert_weight_gradient(options, xr_RD, d, plan, w) for d, w in zip(dproducts, weights))
   return dxs_SD, dweights, None

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 
 from meshmoe.pallas_kernels import gpu_machine, mosaic_tiles, ring
-from meshmoe.pallas_kernels.moe_dispatch_gemm import protocol
+from meshmoe.pallas_kernels.moe_dispatch_gemm import protocol, swiglu as swiglu_epilogue
 from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from meshmoe.pallas_kernels.ring import Axes
@@ -27,9 +27,10 @@ def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tile
 
 
 def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *,
-                  num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
+                  num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, swiglu: bool = False,
                   interpret=None) -> tuple[jax.Array, ...]:
-  """(xr_RD, *products), as reference.dispatch_gemm; the plan's tile rows must be tiles.block_m.
+  """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, weights (gate, up) and the one
+  product silu(gate) * up); the plan's tile rows must be tiles.block_m.
   `interpret`: the Mosaic GPU interpreter, which has no semaphores: a ring of one device only."""
   p = ring.size(axes)
   s_tiles, r_tiles = plan.send_dst.shape[0], plan.recv_expert.shape[0]
@@ -42,10 +43,26 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan
     raise ValueError(f"MoE dispatch GEMM kernel: {reason}")
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   out_type = [ring.out_type((r_tiles * tm, d), xs_SD.dtype, xs_SD, *weights, axes=axes)]
-  out_type += [ring.out_type((r_tiles * tm, f), xs_SD.dtype, xs_SD, *weights, axes=axes) for f in widths]
+  out_type += [ring.out_type((r_tiles * tm, f), xs_SD.dtype, xs_SD, *weights, axes=axes)
+               for f in (widths[:1] if swiglu else widths)]
   outs = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p, num_weights=len(weights)), out_type=out_type,
+      functools.partial(protocol.run, machine, p=p, num_weights=len(weights), swiglu=swiglu), out_type=out_type,
       scratch_types=[gpu_machine.arrival_type((r_tiles,))] if p > 1 else [],
       num_blocks=num_blocks, interpret=interpret,
   )(*(getattr(plan, name) for name in SCALARS), xs_SD, *weights)
   return tuple(ring.varying_like(out, xs_SD, *weights, axes=axes) for out in outs)
+
+
+def swiglu_gradient(xr_RD: jax.Array, dh_RF: jax.Array, gate: jax.Array, up: jax.Array, plan: TilePlan, *,
+                    num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, interpret=None):
+  """(dgate_RF, dup_RF), as reference.swiglu_gradient: swiglu.gradient_kernel, local to each device."""
+  reason = unsupported(xr_RD.shape[1], [gate.shape[2]], xr_RD.dtype, tiles)
+  if reason:
+    raise ValueError(f"MoE SwiGLU gradient kernel: {reason}")
+  machine = gpu_machine.GpuMachine((), num_blocks, tiles)
+  operands = (xr_RD, dh_RF, gate, up)
+  out_type = [ring.out_type(dh_RF.shape, xr_RD.dtype, *operands)] * 2
+  outs = gpu_machine.launch(functools.partial(swiglu_epilogue.gradient_kernel, machine), out_type=out_type,
+                            scratch_types=[], num_blocks=num_blocks, interpret=interpret)(
+      plan.recv_expert, plan.num_recv, *operands)
+  return tuple(ring.varying_like(out, *operands) for out in outs)

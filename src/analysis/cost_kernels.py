@@ -45,6 +45,12 @@ def gemm_in_kernels(choice: OpChoice | None) -> bool:
   return kernels is not None and kernels.rows != "xla"
 
 
+def swiglu_in_kernels(choice: OpChoice | None) -> bool:
+  """Whether the MoE kernels compute SwiGLU themselves (pallas_kernels/moe_dispatch_gemm/swiglu.py): no
+  [R, F] gate or up buffer, and a backward that recomputes both."""
+  return in_custom_calls(choice) and choice.implementation == "fused"
+
+
 def tokamax_rows(rows_per_expert: float, experts: int) -> float:
   """Rows tokamax's grouped GEMM computes for `experts` groups of `rows_per_expert` rows (balanced routing):
   each group's rows, from a start at most 7 rows early, in whole 64-row tiles."""

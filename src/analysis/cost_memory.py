@@ -14,7 +14,7 @@
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
   (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers
   (the [ep*S, D] receive buffer, its tiled copy, the [rows, F] gate, up and hidden units: silu(gate) is
-  recomputed, see models/layers.py swiglu_hidden), which dominate at small sizes. Which buffers exist is
+  recomputed, see sharding/grouped_ffn.py swiglu_hidden), which dominate at small sizes. Which buffers exist is
   the parallel plan's choice of implementation (meshmoe.sharding.plan).
 The compiled step also holds the batch, temporary buffers XLA schedules between ops and the output layer's
 logits; the logits are counted (one chunk of them in float32, and the weight-gradient part the chunks sum
@@ -180,12 +180,14 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   returned = assignments if choice.exchange == "ragged_all_to_all" else rows
   buffers += assignments * d * c * 2 + (2 * (rows + returned) * d * c if ep > 1 else 0)
   if choice.implementation == "fused":
-    # The tile plan's buffers: send and returned rows, received rows with their gate, up and hidden units;
-    # the backward's dispatched gradients [R, D + F] are transient.
+    # The tile plan's buffers: send and returned rows, received rows with their hidden units (and gate and
+    # up unless the kernels fuse SwiGLU); the backward's dispatched gradients [R, D + F] are transient, and
+    # with the fused SwiGLU the gate and up gradients [R, 2F] its gradient kernel writes.
     send_rows, receive_rows = cost_kernels.moe_buffer_rows(int(assignments), ep, local_experts)
     buffers = 2 * (gathered - tokens) * d * c + assignments * d * c * 2 + 2 * send_rows * d * c
-    hidden = receive_rows * (d + 3 * width) * c
-    transient = receive_rows * (d + width) * c
+    fused_swiglu = cost_kernels.swiglu_in_kernels(choice)
+    hidden = receive_rows * (d + (1 if fused_swiglu else 3) * width) * c
+    transient = receive_rows * (d + (3 if fused_swiglu else 1) * width) * c
     weights = 0.0
     if not cost_kernels.in_custom_calls(choice):
       # The kernels' plain-XLA versions (reference.py) multiply every receive tile by its expert's weights,

@@ -9,11 +9,14 @@ pallas_kernels/moe_routing.py.
   devices equal the references for uneven and empty groups and skewed arrival orders, and the race
   detector finds nothing in any kernel (conftest.py); the protocol with its arrival waits left out is
   caught;
-- gradients: the fused custom VJPs (each op's backward runs the other's kernel) equal jax.vjp of the
-  references;
+- SwiGLU fused into the dispatch kernel (moe_dispatch_gemm/swiglu.py): the layer equals the NumPy MoE on
+  rings of 2, 4 and 8, without races;
+- gradients: the fused custom VJPs (each op's backward runs the other's kernel; the fused SwiGLU's
+  recomputes gate and up per tile) equal jax.vjp of the references;
 - build: the Mosaic GPU kernels of a whole MoE layer, forward and backward (with the grouped weight-gradient
   kernel), compile for 8 H100s without a GPU, with no all-to-all left in the program;
-- numerics: the Mosaic GPU kernels' compute path in the Mosaic GPU interpreter equals the references.
+- numerics: the Mosaic GPU kernels' compute path (the SwiGLU epilogue and its gradient kernel too) in the
+  Mosaic GPU interpreter equals the references.
 """
 
 import dataclasses
@@ -30,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from meshmoe.analysis import deviceless
 from meshmoe.pallas_kernels import moe_routing, ring
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api, mosaic_gpu as dispatch_mosaic
-from meshmoe.pallas_kernels.moe_dispatch_gemm import tpu as dispatch_tpu
+from meshmoe.pallas_kernels.moe_dispatch_gemm import reference as dispatch_reference, tpu as dispatch_tpu
 from meshmoe.pallas_kernels.moe_gemm_return import api as return_api, mosaic_gpu as return_mosaic
 from meshmoe.pallas_kernels.moe_gemm_return import tpu as return_tpu
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
@@ -66,17 +69,23 @@ def _parameters(p: int, seed: int = 0):
   return x, combine, gate, up, down
 
 
-def _moe_layer(dispatch_backend: str, return_backend: str, num_blocks: int = 1):
-  """A whole expert-parallel MoE layer per device, on the given backends."""
+def _moe_layer(dispatch_backend: str, return_backend: str, num_blocks: int = 1, swiglu: bool = False):
+  """A whole expert-parallel MoE layer per device, on the given backends; with `swiglu`, SwiGLU fused into
+  the dispatch kernel (else computed between the kernels)."""
   options = dict(tiles=TWIN_TILES, num_sms=num_blocks)
 
   def layer(x_TD, experts_TK, combine_TK, gate, up, down):
     t, k = experts_TK.shape
     token_A = jnp.arange(t * k) // k
     plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("a",), E_LOCAL, TM)
-    g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "a", tile_rows=TM, backend=dispatch_backend,
-                                      **options)
-    y_AD = return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "a", backend=return_backend, **options)
+    if swiglu:
+      h = dispatch_api.dispatch_swiglu(x_TD[token_A], gate, up, plan, "a", tile_rows=TM, backend=dispatch_backend,
+                                       **options)
+    else:
+      g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "a", tile_rows=TM,
+                                        backend=dispatch_backend, **options)
+      h = jax.nn.silu(g) * u
+    y_AD = return_api.gemm_return((h,), (down,), plan, "a", backend=return_backend, **options)
     weighted = y_AD * combine_TK.reshape(-1)[:, None]
     return jnp.zeros((t, y_AD.shape[1]), y_AD.dtype).at[token_A].add(weighted)
 
@@ -152,6 +161,16 @@ def test_twins_equal_the_references_without_races(p, case):
   assert_close(out, _numpy_moe(x, experts, combine, gate, up, down), FP32_MODULE_RTOL, "MoE layer")
 
 
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_fused_swiglu_twins_equal_the_numpy_moe_without_races(p):
+  mesh = harness.cpu_mesh((p, 1))
+  experts = _routing("uneven_with_drops", p, np.random.default_rng(p + 20))
+  x, combine, gate, up, down = _parameters(p, seed=4)
+  layer = _moe_layer("tpu_interpret", "tpu_interpret", TWIN_BLOCKS[p], swiglu=True)
+  out = harness.per_device(layer, mesh, (SPEC,) * 6, SPEC)(x, experts, combine, gate, up, down)
+  assert_close(out, _numpy_moe(x, experts, combine, gate, up, down), FP32_MODULE_RTOL, "MoE layer")
+
+
 @pytest.mark.parametrize("slow_devices", [(0,), (1, 2)], ids=["device-0-late", "devices-1-2-late"])
 def test_twins_are_exact_under_skewed_arrival_orders(slow_devices):
   """Some devices send late, so tiles land in other orders than the plan's; an uneven routing with drops."""
@@ -185,21 +204,21 @@ def test_race_detector_catches_the_protocol_with_its_arrival_waits_left_out():
   assert harness.take_race_verdicts() == ["moe_dispatch_gemm"]
 
 
-@pytest.mark.parametrize("case", ["random", "uneven_with_drops"])
-def test_fused_gradients_equal_the_reference(case):
+@pytest.mark.parametrize("case,swiglu", [("random", False), ("uneven_with_drops", False), ("uneven_with_drops", True)])
+def test_fused_gradients_equal_the_reference(case, swiglu):
   p = 4
   mesh = harness.cpu_mesh((p, 1))
   experts = _routing(case, p, np.random.default_rng(7))
   x, combine, gate, up, down = _parameters(p, seed=3)
 
-  def grads(backend):
+  def grads(backend, swiglu=False):
     def per_device(x_TD, experts_TK, combine_TK, gate, up, down):
-      layer = _moe_layer(backend, backend)
+      layer = _moe_layer(backend, backend, swiglu=swiglu)
       loss = lambda x, g, u, d: jnp.sum(layer(x, experts_TK, combine_TK, g, u, d) ** 2)
       return jax.grad(loss, argnums=(0, 1, 2, 3))(x_TD, gate, up, down)
     return harness.per_device(per_device, mesh, (SPEC,) * 6, (SPEC,) * 4)
 
-  fused = grads("tpu_interpret")(x, experts, combine, gate, up, down)
+  fused = grads("tpu_interpret", swiglu)(x, experts, combine, gate, up, down)
   expected = grads("collectives")(x, experts, combine, gate, up, down)
   for got, want, name in zip(fused, expected, ("tokens", "gate", "up", "down")):
     assert_close(got, want, FP32_MODULE_RTOL, f"gradient of {name}")
@@ -226,18 +245,17 @@ def test_mosaic_kernels_of_a_moe_layer_compile_for_8_h100s_forward_and_backward(
       t, k = experts_TK.shape
       token_A = jnp.arange(t * k) // k
       plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), E_LOCAL, 64)
-      g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "x", tile_rows=64, backend="mosaic_gpu",
-                                        num_sms=harness.h100_sms())
-      y_AD = return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "x", backend="mosaic_gpu",
-                                    num_sms=harness.h100_sms())
+      h = dispatch_api.dispatch_swiglu(x_TD[token_A], gate, up, plan, "x", tile_rows=64, backend="mosaic_gpu",
+                                       num_sms=harness.h100_sms())
+      y_AD = return_api.gemm_return((h,), (down,), plan, "x", backend="mosaic_gpu", num_sms=harness.h100_sms())
       return jnp.sum(y_AD.astype(jnp.float32) * combine_TK.reshape(-1)[:, None])
     loss, grads = jax.value_and_grad(layer, argnums=(0, 1, 2, 3))(x_TD, gate, up, down)
     return loss[None], grads
 
   hlo = harness.per_device(per_device, mesh, (spec,) * 6, (spec, (spec,) * 4), check_vma=True).lower(
       *args).compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text()
-  # Two kernels forward; backward, two kernels and three grouped weight gradients.
-  assert hlo.count('custom_call_target="mosaic_gpu') >= 7
+  # Two kernels forward; backward, two kernels, the SwiGLU gradient and three grouped weight gradients.
+  assert hlo.count('custom_call_target="mosaic_gpu') >= 8
   for collective in ("all-to-all", "ragged-all-to-all", "collective-permute", "reduce-scatter"):
     assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo, collective
 
@@ -271,6 +289,36 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks):
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
 
 
+def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference():
+  mesh = harness.one_device_ring()
+  tokens, d, f, e_local = 96, 256, 128, 3
+  rng = np.random.default_rng(1)
+  experts = rng.integers(0, e_local, (tokens, TOP_K)).astype(np.int32)
+  experts[:10] = e_local  # dropped
+  keys = jax.random.split(jax.random.key(6), 4)
+  x, dh = (jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
+           for k, shape in zip(keys[:2], [(tokens, d), (moe_routing.sizes(tokens * TOP_K, 1, e_local, 64)[1] * 64, f)]))
+  gate, up = ((jax.random.normal(k, (e_local, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16) for k in keys[2:])
+
+  def stages(dispatch, gradient):
+    def per_device(x_TD, experts_TK, dh_RF, gate, up):
+      t, k = experts_TK.shape
+      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, 64)
+      xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, 64, plan.send_dst.shape[0])
+      xr, h = dispatch(xs, (gate, up), plan, ("x",))
+      return (h, *gradient(xr, dh_RF, gate, up, plan))
+    return harness.per_device(per_device, mesh, (P("x"),) * 5, (P("x"),) * 3)
+
+  got = stages(functools.partial(dispatch_mosaic.dispatch_gemm, num_blocks=3, swiglu=True,
+                                 interpret=harness.GPU_INTERPRET),
+               functools.partial(dispatch_mosaic.swiglu_gradient, num_blocks=3, interpret=harness.GPU_INTERPRET))(
+      x, experts, dh, gate, up)
+  want = stages(functools.partial(dispatch_reference.dispatch_gemm, swiglu=True), dispatch_reference.swiglu_gradient)(
+      x, experts, dh, gate, up)
+  for g, w, name in zip(got, want, ("hidden units", "gate gradient", "up gradient")):
+    assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
+
+
 @pytest.mark.slow
 def test_mosaic_kernels_lower_at_full_size_widths():
   """Mixtral-8x7B's widths on 8 devices (d_model 4096, expert width 14336 over tensor=4): the kernels'
@@ -286,10 +334,9 @@ def test_mosaic_kernels_lower_at_full_size_widths():
   def per_device(x_TD, experts_TK, gate, up, down):
     t, k = experts_TK.shape
     plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), 1, 64)
-    g, u = dispatch_api.dispatch_gemm(x_TD[jnp.arange(t * k) // k], (gate, up), plan, "x", tile_rows=64,
-                                      backend="mosaic_gpu", num_sms=harness.h100_sms())
-    return return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "x", backend="mosaic_gpu",
-                                  num_sms=harness.h100_sms())
+    h = dispatch_api.dispatch_swiglu(x_TD[jnp.arange(t * k) // k], gate, up, plan, "x", tile_rows=64,
+                                     backend="mosaic_gpu", num_sms=harness.h100_sms())
+    return return_api.gemm_return((h,), (down,), plan, "x", backend="mosaic_gpu", num_sms=harness.h100_sms())
 
   lowered = harness.per_device(per_device, mesh, (spec,) * 5, spec, check_vma=True).lower(*args)
   assert lowered.as_text().count("mosaic_gpu") >= 2
