@@ -24,6 +24,8 @@ from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from meshmoe.pallas_kernels.ring import Axes
 
 AXIS = "sm"
+# Column tiles of a `put` in flight at once (each a block_m x block_n shared-memory slot: 16 KB in bf16).
+PUT_SLOTS = 4
 
 
 class GpuMachine:
@@ -50,8 +52,8 @@ class GpuMachine:
     position = ring.shift(self.axes, offset)
     return position, ring.device(self.axes, position)
 
-  def matmul(self, a_ref, b_ref, copies=(), copy_when=True) -> jax.Array:
-    """a_ref [block_m, K] @ b_ref [K, N] in float32. `copies`: (dst_ref [block_m, K], peer device or None,
+  def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
+    """a_ref [block_m, K] @ b_ref [K, N] (b_ref [N, K] transposed, with `transpose_b`) in float32. `copies`: (dst_ref [block_m, K], peer device or None,
     arrival semaphore or None), made where `copy_when` holds: each A tile is also stored there as it
     streams through shared memory, and once all are complete each remote copy's arrival counts its bytes."""
 
@@ -64,7 +66,8 @@ class GpuMachine:
           target = dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer)
           plgpu.copy_smem_to_gmem(a_smem, target.at[:, columns])
 
-    acc = mosaic_tiles.matmul_tile(a_ref, b_ref, self.tiles, on_a_tile=forward if copies else None)
+    acc = mosaic_tiles.matmul_tile(a_ref, b_ref, self.tiles, on_a_tile=forward if copies else None,
+                                   transpose_b=transpose_b)
     if copies:
       @pl.when(copy_when)
       def _():
@@ -78,7 +81,9 @@ class GpuMachine:
     return mosaic_tiles.load_tile(ref)
 
   def store(self, value, ref) -> None:
-    mosaic_tiles.store_tile(value, ref)
+    """Stores a tile of a kernel output. Nothing in the kernel reads an output back, so this waits only
+    until the store has read its shared memory; its write to global memory overlaps what comes next."""
+    mosaic_tiles.store_tile(value, ref, wait_complete=False)
 
   def zero(self, ref) -> None:
     """Zeros a [rows, width] region, one column tile at a time."""
@@ -86,15 +91,25 @@ class GpuMachine:
 
   def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
     """Copies a [rows, width] region into `dst_ref` (on `peer`; local when None), column tile by column
-    tile, and adds its bytes to `arrival` on the peer once it is complete."""
+    tile, and adds its bytes to `arrival` on the peer once it is complete. Each column tile is loaded into
+    one of PUT_SLOTS shared-memory slots by TMA and stored from there by TMA (no trip through registers),
+    with up to PUT_SLOTS stores in flight; all are complete before the signal (and before a local copy
+    is read, by this block, in the same kernel)."""
     target = dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer)
-    width = self.tiles.block_n
+    width, slots = self.tiles.block_n, PUT_SLOTS
 
-    @pl.loop(0, src_ref.shape[1] // width)  # a loop in the kernel: unrolled, wide rows overflow layout inference
-    def _copy(c):
-      columns = mosaic_tiles.column_block(c, width)
-      mosaic_tiles.store_tile(mosaic_tiles.load_tile(src_ref.at[:, columns]), target.at[:, columns])
+    def copy(staging, loaded):
+      @pl.loop(0, src_ref.shape[1] // width)  # a loop in the kernel: unrolled, wide rows overflow layout inference
+      def _copy(c):
+        columns, slot = mosaic_tiles.column_block(c, width), lax.rem(c, slots)
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's last store has read it
+        plgpu.copy_gmem_to_smem(src_ref.at[:, columns], staging.at[slot], loaded)
+        plgpu.barrier_wait(loaded)
+        plgpu.copy_smem_to_gmem(staging.at[slot], target.at[:, columns])
 
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+    pl.run_scoped(copy, plgpu.SMEM((slots, src_ref.shape[0], width), src_ref.dtype), plgpu.Barrier())
     if peer is not None:
       pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
 

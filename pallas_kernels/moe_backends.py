@@ -1,12 +1,13 @@
 """The two Comet kernels (dispatch + grouped GEMM, grouped GEMM + return) of one backend, as a pair, and
 the expert weight gradients both backward passes need.
 
-
 The expert weights' gradients are the grouped weight-gradient kernel's (../grouped_weight_gradient).
 Each kernel is the other's backward: the input gradient of dispatch + GEMM is the products' gradients
 through the transposed weights, sent home (grouped GEMM + return); the input gradient of GEMM + return is
 the returned rows' gradients sent to the experts the way the tokens went and multiplied by the
-transposed weights (dispatch + grouped GEMM). Both use the same tile plan.
+transposed weights (dispatch + grouped GEMM). Both use the same tile plan. The backward kernels read the
+forward's weights as stored and multiply them transposed (`transposed`): a swapaxes here would make XLA
+transpose each weight's float32 stack of all layers in memory (3 x 512 MB per device on moe_1b).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from meshmoe.pallas_kernels.grouped_weight_gradient import mosaic_gpu as weight_gradient_mosaic
 from meshmoe.pallas_kernels.grouped_weight_gradient import reference as weight_gradient_reference
@@ -26,14 +26,15 @@ from meshmoe.pallas_kernels.options import Options
 from meshmoe.pallas_kernels.ring import Axes
 
 
-def dispatch_gemm(options: Options, axes: Axes, swiglu: bool = False) -> Callable:
-  """(xs_SD, weights, plan) -> (xr_RD, *products) on `options.backend` (with `swiglu`: weights (gate,
-  up) and the one product silu(gate) * up)."""
+def dispatch_gemm(options: Options, axes: Axes, swiglu: str | None = None, transposed: bool = False) -> Callable:
+  """(xs_SD, weights, plan) -> (xr_RD, *products) on `options.backend` (with `swiglu`, a
+  moe_dispatch_gemm/swiglu.py mode: weights (gate, up) and its outputs; with `transposed`, each weight
+  multiplied transposed)."""
   if options.backend == "tpu_interpret":
     return functools.partial(dispatch_tpu.dispatch_gemm, axes=axes, num_blocks=options.num_blocks,
-                             tiles=options.tiles, swiglu=swiglu)
+                             tiles=options.tiles, swiglu=swiglu, transposed=transposed)
   return functools.partial(dispatch_mosaic.dispatch_gemm, axes=axes, tiles=options.tiles,
-                           num_blocks=options.num_blocks, swiglu=swiglu)
+                           num_blocks=options.num_blocks, swiglu=swiglu, transposed=transposed)
 
 
 def swiglu_gradient(options: Options, axes: Axes) -> Callable:
@@ -44,11 +45,14 @@ def swiglu_gradient(options: Options, axes: Axes) -> Callable:
   return functools.partial(dispatch_mosaic.swiglu_gradient, tiles=options.tiles, num_blocks=options.num_blocks)
 
 
-def gemm_return(options: Options, axes: Axes) -> Callable:
-  """(hs, weights, plan) -> ret_SD on `options.backend`."""
+def gemm_return(options: Options, axes: Axes, transposed: bool = False) -> Callable:
+  """(hs, weights, plan) -> ret_SD on `options.backend` (with `transposed`, each weight multiplied
+  transposed)."""
   if options.backend == "tpu_interpret":
-    return functools.partial(return_tpu.gemm_return, axes=axes, num_blocks=options.num_blocks, tiles=options.tiles)
-  return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_blocks=options.num_blocks)
+    return functools.partial(return_tpu.gemm_return, axes=axes, num_blocks=options.num_blocks, tiles=options.tiles,
+                             transposed=transposed)
+  return functools.partial(return_mosaic.gemm_return, axes=axes, tiles=options.tiles, num_blocks=options.num_blocks,
+                           transposed=transposed)
 
 
 def expert_weight_gradient(options: Options, rows_RD: jax.Array, grads_RF: jax.Array, plan: TilePlan,
@@ -60,8 +64,3 @@ def expert_weight_gradient(options: Options, rows_RD: jax.Array, grads_RF: jax.A
                                                   weight, tile_rows=options.tiles.block_m, tiles=options.tiles,
                                                   num_blocks=options.num_blocks)
   return weight_gradient_reference.weight_gradient(rows_RD, grads_RF, plan.expert_rows, weight)
-
-
-def transposed(weights) -> tuple[jax.Array, ...]:
-  """Each [E_l, X, Y] weight as [E_l, Y, X]."""
-  return tuple(jnp.swapaxes(w, 1, 2) for w in weights)

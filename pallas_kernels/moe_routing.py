@@ -125,3 +125,11 @@ def _tile_groups(tiles_per_group: jax.Array, num_tiles: int) -> tuple[jax.Array,
   tile = jnp.arange(num_tiles)
   group = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), tiles_per_group.shape[0] - 1)
   return group, tile - (ends - tiles_per_group)[group]
+
+
+def weight_columns(w_ref, expert, columns, transposed: bool):
+  """The kernels' B operand for output `columns` of a local expert's GEMM: w_ref[expert][:, columns] of
+  weights stored [E_l, K, N], or with `transposed` w_ref[expert][columns, :] of weights stored [E_l, N, K]
+  (to be multiplied transposed: each backward GEMM reads the forward's weights as stored, where a
+  swapaxes would make XLA transpose every layer's float32 weight stack in memory)."""
+  return w_ref.at[expert, columns, :] if transposed else w_ref.at[expert, :, columns]

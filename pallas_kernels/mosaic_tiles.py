@@ -2,7 +2,7 @@
 
 A kernel computes one output tile at a time: `matmul_tile` streams the K dimension of an A row block and
 a B column block through shared memory (a pipeline of `stages` TMA loads ahead of the WGMMA that
-consumes them) into a float32 accumulator; `store_tile` writes a tile through shared memory to global
+consumes them, with one WGMMA left in flight across K steps) into a float32 accumulator; `store_tile` writes a tile through shared memory to global
 memory (local or a peer's); `load_tile` reads one. The grouped GEMM tiles of the MoE kernels are the same
 tile over one expert's weights. These are written here rather than taken from tokamax, whose Mosaic GPU
 GEMMs read the live device at trace time and so cannot be compiled for GPUs this machine does not have,
@@ -51,6 +51,8 @@ DEFAULT_TILES = Tiles()
 def unsupported(dtype, shapes: dict[str, tuple[int, int]], tiles: Tiles) -> str | None:
   """Why the tile kernels cannot run these GEMMs (None when they can). `shapes` names each GEMM's
   (rows, cols) pair per tiled dimension, e.g. {"M": (m, block_m), ...}."""
+  if tiles.stages < 2:
+    return f"tiles {tiles} pipeline fewer than 2 stages (a step's buffers are released one step late)"
   if jnp.dtype(dtype) not in DTYPES:
     return f"dtype {jnp.dtype(dtype).name} (the GPU kernels multiply bfloat16 or float16)"
   for name, (size, block) in shapes.items():
@@ -61,27 +63,35 @@ def unsupported(dtype, shapes: dict[str, tuple[int, int]], tiles: Tiles) -> str 
   return None
 
 
-def matmul_tile(a_gmem, b_gmem, tiles: Tiles,
-                on_a_tile: Callable[[jax.Array, object], None] | None = None) -> jax.Array:
-  """a_gmem [block_m, K] @ b_gmem [K, block_n] as a float32 value. `on_a_tile(k_index, a_smem)` runs
+def matmul_tile(a_gmem, b_gmem, tiles: Tiles, on_a_tile: Callable[[jax.Array, object], None] | None = None,
+                transpose_b: bool = False) -> jax.Array:
+  """a_gmem [block_m, K] @ b_gmem [K, block_n] as a float32 value; with `transpose_b`, b_gmem is
+  [block_n, K] and WGMMA reads its shared-memory tiles transposed. `on_a_tile(k_index, a_smem)` runs
   for each A tile once it is in shared memory (before the buffer is reused), e.g. to send it on."""
   k = a_gmem.shape[1]
+  # Each step's buffers are released one step late (delay_release=1), so a step may leave its WGMMA in
+  # flight (wgmma_wait(1): all but the newest are complete) and the tensor cores never wait for the issue
+  # of the next K step; by the time a buffer is refilled, its WGMMA has completed.
+  if transpose_b:
+    b_spec = plgpu.BlockSpec((tiles.block_n, tiles.block_k), lambda ki: (0, ki), delay_release=1)
+  else:
+    b_spec = plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda ki: (ki, 0), delay_release=1)
 
   def step(indices, a_smem, b_smem, acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    plgpu.wgmma(acc_ref, a_smem, b_smem.T if transpose_b else b_smem)
     if on_a_tile is not None:
       on_a_tile(indices[0], a_smem)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the A buffer is refilled after this step
-    plgpu.wgmma_wait(0)
+    plgpu.wgmma_wait(1)
 
   def accumulate(acc_ref):
     plgpu.emit_pipeline(
         functools.partial(_with_acc, step, acc_ref),
         grid=(k // tiles.block_k,),
-        in_specs=[plgpu.BlockSpec((tiles.block_m, tiles.block_k), lambda ki: (0, ki)),
-                  plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda ki: (ki, 0))],
+        in_specs=[plgpu.BlockSpec((tiles.block_m, tiles.block_k), lambda ki: (0, ki), delay_release=1), b_spec],
         max_concurrent_steps=tiles.stages,
     )(a_gmem, b_gmem)
+    plgpu.wgmma_wait(0)  # the last step's WGMMA
     return acc_ref[...]
 
   return pl.run_scoped(accumulate, plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32))
@@ -91,15 +101,16 @@ def _with_acc(step, acc_ref, indices, a_smem, b_smem):
   step(indices, a_smem, b_smem, acc_ref)
 
 
-def store_tile(value: jax.Array, dst_gmem) -> None:
+def store_tile(value: jax.Array, dst_gmem, wait_complete: bool = True) -> None:
   """Writes a tile value to `dst_gmem` (any global ref, a peer's too) through shared memory and waits
-  until the write is complete (so a semaphore signalled next orders after it)."""
+  until the write is complete (so a semaphore signalled next orders after it), or with
+  `wait_complete=False` only until the copy has read the shared memory (which is then reused)."""
 
   def store(tile_smem):
     tile_smem[...] = value.astype(tile_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(tile_smem, dst_gmem)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=not wait_complete)
 
   pl.run_scoped(store, plgpu.SMEM(value.shape, dst_gmem.dtype))
 

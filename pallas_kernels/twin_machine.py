@@ -53,7 +53,7 @@ class TwinMachine:
     position = ring.shift(self.axes, offset)
     return position, ring.device(self.axes, position)
 
-  def matmul(self, a_ref, b_ref, copies=(), copy_when=True) -> jax.Array:
+  def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
     @pl.when(copy_when)
     def _():
       for dst_ref, peer, arrival in copies:
@@ -62,7 +62,8 @@ class TwinMachine:
     def product(a_vmem, b_vmem):
       pltpu.sync_copy(a_ref, a_vmem)
       pltpu.sync_copy(b_ref, b_vmem)
-      return jnp.dot(a_vmem[...], b_vmem[...], preferred_element_type=jnp.float32)
+      b = b_vmem[...].T if transpose_b else b_vmem[...]
+      return jnp.dot(a_vmem[...], b, preferred_element_type=jnp.float32)
 
     return pl.run_scoped(product, pltpu.VMEM(a_ref.shape, a_ref.dtype), pltpu.VMEM(b_ref.shape, b_ref.dtype))
 

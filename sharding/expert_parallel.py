@@ -172,7 +172,8 @@ def _fused(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, ch
   tile_plan = moe_routing.make_tile_plan(experts_BSK.reshape(-1), axes, w.num_experts, tile_rows)
   options = dict(tile_rows=tile_rows, backend=backend, num_sms=num_sms)
   if activation is grouped_ffn.swiglu_hidden:  # fused into the dispatch kernel: no [R, F] gate or up buffer
-    hidden_RF = moe_dispatch_gemm.dispatch_swiglu(x_TD[token_A], gate, up, tile_plan, axes, **options)
+    hidden_RF = moe_dispatch_gemm.dispatch_swiglu(x_TD[token_A], gate, up, tile_plan, axes,
+                                                  gradient=choice.swiglu_gradient, **options)
   else:
     hidden_RF = activation(*moe_dispatch_gemm.dispatch_gemm(x_TD[token_A], (gate, up), tile_plan, axes, **options))
   y_AD = moe_gemm_return.gemm_return((hidden_RF,), (down,), tile_plan, axes, backend=backend, num_sms=num_sms)

@@ -191,6 +191,9 @@ class ExpertChoice(OpChoice):
   # (forward, backward): `parallel.moe_{dispatch,combine}_dtype` and `moe_exchange_grad_dtype`.
   dispatch_formats: tuple[str, str] = ("auto", "auto")
   combine_formats: tuple[str, str] = ("auto", "auto")
+  # The fused kernels' SwiGLU gradient: gate and up "recompute"d per tile or "keep"t from the forward
+  # (`parallel.moe_swiglu_gradient`).
+  swiglu_gradient: str = "recompute"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,8 +409,10 @@ class ParallelPlan:
           "MoE dispatch/return",
           moe_dispatch_gemm.unsupported(d, [f, f], dtype) or moe_gemm_return.unsupported([f], d, dtype))
       if backend:
-        return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU, grouped GEMM + return over {ep} devices",
-                            kernel_backend=backend)
+        gradient = self.parallel.moe_swiglu_gradient
+        return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
+                            f"grouped GEMM + return over {ep} devices", kernel_backend=backend,
+                            swiglu_gradient=gradient)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
     detail = f"{chunks} chunk(s); tokens by {exchange} over {ep} devices"

@@ -34,6 +34,8 @@ EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchan
 REMAT_POLICIES = ("none", "full", "dots")
 # How an MoE layer orders its attention and MoE (models/decoder.py).
 LAYER_SCHEDULES = ("sequential", "two_halves")
+# How the fused MoE kernels' SwiGLU gets gate and up for its gradient (pallas_kernels/moe_dispatch_gemm/swiglu.py).
+SWIGLU_GRADIENTS = ("recompute", "keep")
 # How the routed experts' gradients are summed over `data` (sharding/gradient_sync.py).
 GRADIENT_COMPRESSIONS = ("none", "bfloat16", "int8", "sign")
 # Raw sources are tokenized into a cache on first use; "tokenized" reads experiments.tokenize's folders.
@@ -180,6 +182,12 @@ class ParallelConfig:
   # (inter-operator overlap, as in MegaScale-MoE). Same results: attention, routing and expert capacity are
   # per sequence. Needs an even number of rows per device; applies where the MoE exchanges tokens.
   layer_schedule: str = "sequential"
+  # impl="pallas": the fused MoE kernels compute SwiGLU in the dispatch kernel, and its gradient either
+  # "recompute"s gate and up per tile in the backward (no [R, F] gate or up buffer exists, R the dropless
+  # worst-case receive rows; 2 more of the layer's 9 expert GEMM units) or "keep"s them from the forward
+  # (2 x [R, F] per layer; under remat only the layer being differentiated holds them). Peak memory and
+  # FLOPs of both on moe_1b and Mixtral-8x7B: experiments/benchmarks/RESULTS.md.
+  moe_swiglu_gradient: str = "recompute"
   # How the routed experts' gradients are summed over their replicas, the devices that hold the same experts
   # and compute on other tokens (`data`, and `sequence` where it splits the tokens; sharding/gradient_sync.py):
   # "none" (as computed: float32, or bfloat16 in a bfloat16 model), "bfloat16", "int8" (a float32 scale per
@@ -210,6 +218,7 @@ class ParallelConfig:
     for name in EXCHANGE_FORMAT_FIELDS:
       _check_choice(f"parallel.{name}", getattr(self, name), EXCHANGE_FORMATS)
     _check_choice("parallel.layer_schedule", self.layer_schedule, LAYER_SCHEDULES)
+    _check_choice("parallel.moe_swiglu_gradient", self.moe_swiglu_gradient, SWIGLU_GRADIENTS)
     _check_choice("parallel.gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
     _check_bool("parallel.gradient_error_feedback", self.gradient_error_feedback)
     _check_choice("parallel.xla_flags", self.xla_flags, XLA_FLAG_PRESETS)

@@ -152,6 +152,7 @@ def test_non_negative_loss_weights(field, value):
     ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
     ("parallel.moe_dispatch_dtype", "fp8", "one of 'auto', 'bfloat16', 'float8_e4m3fn'"),
     ("parallel.layer_schedule", "halves", "one of 'sequential', 'two_halves'"),
+    ("parallel.moe_swiglu_gradient", "save", "one of 'recompute', 'keep'"),
     ("parallel.gradient_compression", "fp8", "one of 'none', 'bfloat16', 'int8', 'sign'"),
 ]])
 def test_choices_list_what_is_allowed(field, value, allowed):

@@ -81,6 +81,7 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
            "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS, "parallel.layer_schedule": config_lib.LAYER_SCHEDULES,
+           "parallel.moe_swiglu_gradient": config_lib.SWIGLU_GRADIENTS,
            "parallel.gradient_compression": config_lib.GRADIENT_COMPRESSIONS,
            **{f"parallel.{name}": config_lib.EXCHANGE_FORMATS for name in config_lib.EXCHANGE_FORMAT_FIELDS},
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}

@@ -1,7 +1,7 @@
 """MoE grouped GEMM and causal attention on one GPU at an experiment's shapes: time, TFLOP/s, % of peak.
 
   python -m experiments.benchmarks.gpu_kernels_bench [--config=moe_1b] [--assignments=16384] [--seq_len=4096]
-      [--attention_batch=2] [--iters=20] [--inner=10] [--only=gemm,wgrad,attention] [--json_out=FILE]
+      [--attention_batch=2] [--iters=20] [--inner=10] [--only=gemm,wgrad,ffn,attention] [--json_out=FILE]
 
 Shapes come from experiments/configs/<config>.py (moe_1b: d_model 1024, 32 experts of width 512, top-4;
 16 query / 4 key-value heads of 64), each overridable by a flag. Everything is bfloat16 with float32
@@ -25,6 +25,11 @@ Groups (rows of the table):
 - `wgrad`, the weight gradient alone, dw[e] = x_e^T dy_e (a ragged contraction): tokamax's
   (`ragged_dot_general`, the plan's contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel,
   jax.lax.ragged_dot_general, and the dense loop.
+- `ffn`, the whole expert FFN y = down(silu(x @ gate) * (x @ up)) per assignment row, forward and forward +
+  backward: meshmoe's two fused Comet kernels on a ring of one GPU (`mosaic_fused`: dispatch + grouped
+  GEMM with SwiGLU in its epilogue, then grouped GEMM + return; its backward recomputes gate and up per
+  tile) against XLA's unfused ops on the same shapes (`xla_unfused`: three jax.lax.ragged_dot and the
+  SwiGLU between them, gate and up in memory).
 - `attention`, causal GQA attention [B, S, N, H] x [B, S, G, H], forward and forward + backward:
   meshmoe's GPU path (context_parallel.sharded_attention, whole sequence, with the kernel the plan picks
   for this GPU: tokamax's flash attention), meshmoe's einsum path (context_parallel.causal_attention:
@@ -36,7 +41,7 @@ to back and waited for once (jax.block_until_ready), so launch overheads overlap
 median sample / inner is the time per call. Forward + backward calls return the output and the input
 and weight gradients (jax.vjp), so nothing is dead code.
 
-FLOPs are useful FLOPs: 2 M K N per grouped GEMM (not the padding or the dense over-computation of an
+FLOPs are useful FLOPs: 2 M K N per grouped GEMM (the FFN: 3 of them, 6 M D F) (not the padding or the dense over-computation of an
 implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the causal half, as
 meshmoe.analysis.cost_model.forward_flops counts it), 3 x that forward + backward (the cost model's
 backward = 2 x forward; a flash backward's recomputed scores are not useful FLOPs). % peak is against the
@@ -66,6 +71,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+GROUPS = ("gemm", "wgrad", "ffn", "attention")
 flags.DEFINE_string("config", "moe_1b", "experiment whose shapes are used: a file name in experiments/configs/")
 flags.DEFINE_integer("assignments", 16384, "grouped GEMM rows M (token x top-k assignments)", lower_bound=1)
 flags.DEFINE_integer("d_model", 0, "model width (0: the config's)", lower_bound=0)
@@ -79,13 +85,12 @@ flags.DEFINE_integer("head_dim", 0, "head dimension (0: the config's)", lower_bo
 flags.DEFINE_integer("iters", 20, "timed samples; the median is reported", lower_bound=1)
 flags.DEFINE_integer("inner", 10, "calls per sample, launched back to back", lower_bound=1)
 flags.DEFINE_integer("warmup", 3, "untimed calls after the compiling one", lower_bound=0)
-flags.DEFINE_list("only", ["gemm", "wgrad", "attention"], "groups to run: gemm, wgrad, attention")
+flags.DEFINE_list("only", list(GROUPS), f"groups to run: {', '.join(GROUPS)}")
 flags.DEFINE_float("peak_tflops", 0.0, "dense bf16 peak TFLOP/s of the device (0: look up its kind)")
 flags.DEFINE_bool("platform_check", True, "require a GPU (--noplatform_check: run the CPU versions)")
 flags.DEFINE_string("json_out", None, "also write the rows as JSON lines to this file")
 FLAGS = flags.FLAGS
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
-GROUPS = ("gemm", "wgrad", "attention")
 
 
 @dataclasses.dataclass
@@ -293,6 +298,80 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
   return rows
 
 
+# The expert FFN ----------------------------------------------------------------------------------------------
+
+
+def ffn_rows(m: int, e: int, d: int, f: int, device, on_gpu: bool) -> list[Row]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
+  from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api
+  from meshmoe.pallas_kernels.moe_gemm_return import api as return_api
+  from meshmoe.sharding.grouped_ffn import swiglu_hidden
+  from meshmoe.sharding.plan import Hardware
+
+  hardware = Hardware.of(device)
+  hopper = on_gpu and hardware.compute_capability.startswith("9.")
+  sizes_np = np.full((e,), m // e, np.int64)
+  sizes_np[: m % e] += 1  # balanced, in expert order, as in gemm_rows
+  offsets = np.concatenate([[0], np.cumsum(sizes_np)])
+  sizes = jnp.asarray(sizes_np, jnp.int32)
+  experts_A1 = jnp.asarray(np.repeat(np.arange(e), sizes_np), jnp.int32)[:, None]  # one choice per row
+  keys = jax.random.split(jax.random.key(1), 5)
+  x, dy = (jax.random.normal(k, (m, d), jnp.float32).astype(jnp.bfloat16) for k in keys[:2])
+  gate, up = ((jax.random.normal(k, (e, d, f), jnp.float32) / math.sqrt(d)).astype(jnp.bfloat16) for k in keys[2:4])
+  down = (jax.random.normal(keys[4], (e, f, d), jnp.float32) / math.sqrt(f)).astype(jnp.bfloat16)
+  as_f32 = lambda a: a.astype(jnp.float32)
+  reference = jax.jit(lambda x, gate, up, down: jnp.concatenate([
+      (jax.nn.silu(as_f32(x[a:b]) @ as_f32(gate[i])) * (as_f32(x[a:b]) @ as_f32(up[i]))) @ as_f32(down[i])
+      for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]))(x, gate, up, down)
+  check = lambda y: relative_error(y, reference)
+
+  def unfused(x, gate, up, down, experts):
+    del experts  # the rows are in expert order: `sizes` says where each expert's start
+    hidden = swiglu_hidden(jax.lax.ragged_dot(x, gate, sizes), jax.lax.ragged_dot(x, up, sizes))
+    return jax.lax.ragged_dot(hidden, down, sizes)
+
+  mesh = Mesh(np.array([device]), ("x",))
+  tm = mosaic_tiles.DEFAULT_TILES.block_m
+  num_sms = hardware.num_sms or None
+
+  def fused(x, gate, up, down, experts):  # per device of a ring of one
+    plan = moe_routing.make_tile_plan(experts.reshape(-1), ("x",), e, tm)
+    options = dict(backend="mosaic_gpu", num_sms=num_sms)
+    hidden = dispatch_api.dispatch_swiglu(x, gate, up, plan, ("x",), tile_rows=tm, **options)
+    return return_api.gemm_return((hidden,), (down,), plan, ("x",), **options)
+
+  why_not_fused = (None if hopper else "meshmoe's Mosaic GPU kernels need a Hopper GPU") or dispatch_api.unsupported(
+      d, [f, f], jnp.bfloat16)
+  label = f"M={m} D={d} F={f} E={e}"
+  rows = []
+  for mode in ("fwd", "fwd+bwd"):
+    for name, ffn in (("mosaic_fused", fused), ("xla_unfused", unfused)):
+      row = Row("ffn", name, label, mode, 6.0 * m * d * f * (1 if mode == "fwd" else 3))
+      if name == "mosaic_fused" and why_not_fused:
+        rows.append(skipped(row, why_not_fused))
+        continue
+      if mode == "fwd":
+        call = lambda x, gate, up, down, experts, dy, ffn=ffn: ffn(x, gate, up, down, experts)
+      else:
+        def call(x, gate, up, down, experts, dy, ffn=ffn):
+          y, pullback = jax.vjp(lambda *params: ffn(*params, experts), x, gate, up, down)
+          return y, pullback(dy)
+      if name == "mosaic_fused":
+        out_specs = P("x") if mode == "fwd" else (P("x"), (P("x"),) * 4)
+        call = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=out_specs, check_vma=True))
+      else:
+        call = jax.jit(call)
+      rows.append(run_row(row, lambda call=call: (call, (x, gate, up, down, experts_A1, dy)),
+                          check if mode == "fwd" else None))
+  return rows
+
+
 # Attention ---------------------------------------------------------------------------------------------------
 
 
@@ -402,6 +481,7 @@ def main(argv):
   rows: list[Row] = []
   groups = {"gemm": lambda: gemm_rows(m, e, {"gate_up": (d, 2 * f), "down": (f, d)}, device, on_gpu),
             "wgrad": lambda: wgrad_rows(m, e, d, f, device, on_gpu),
+            "ffn": lambda: ffn_rows(m, e, d, f, device, on_gpu),
             "attention": lambda: attention_rows(FLAGS.attention_batch, FLAGS.seq_len, n, g, h, device, on_gpu)}
   for group in GROUPS:
     if group in FLAGS.only:

@@ -7,8 +7,9 @@
 #    FFN, attention and a model's train steps on the real device, meshmoe's Mosaic GPU kernels), against
 #    their references: `python -m pytest -m gpu tests/` with JAX_PLATFORMS=cuda;
 # 2. experiments/benchmarks/gpu_kernels_bench.py: grouped GEMM (tokamax, meshmoe's Mosaic tiles,
-#    lax.ragged_dot, a dense per-expert loop) and causal attention (the plan's flash kernel, einsum,
-#    jax.nn xla/cudnn) at moe_1b's shapes, in TFLOP/s and % of the device's dense bf16 peak;
+#    lax.ragged_dot, a dense per-expert loop), the whole expert FFN (meshmoe's fused Comet kernels against
+#    XLA's unfused ops) and causal attention (the plan's flash kernel, einsum, jax.nn xla/cudnn) at
+#    moe_1b's shapes, in TFLOP/s and % of the device's dense bf16 peak;
 # 3. moe_1b trained for 100 steps on the one GPU (python -m experiments.train): tokens/s and MFU, the
 #    median over the logged steps after the first (which includes compilation), from metrics.jsonl.
 #

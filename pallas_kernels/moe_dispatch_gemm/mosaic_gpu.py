@@ -27,26 +27,28 @@ def unsupported(d: int, widths: Sequence[int], dtype, tiles: Tiles = mosaic_tile
 
 
 def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *,
-                  num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, swiglu: bool = False,
-                  interpret=None) -> tuple[jax.Array, ...]:
-  """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, weights (gate, up) and the one
-  product silu(gate) * up); the plan's tile rows must be tiles.block_m.
+                  num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, swiglu: str | None = None,
+                  transposed: bool = False, interpret=None) -> tuple[jax.Array, ...]:
+  """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, a swiglu.MODES mode, weights (gate,
+  up) and the products silu(gate) * up, and for "keep" gate and up; with `transposed`, weights stored [E_l, F_i, D] and multiplied transposed);
+  the plan's tile rows must be tiles.block_m.
   `interpret`: the Mosaic GPU interpreter, which has no semaphores: a ring of one device only."""
   p = ring.size(axes)
   s_tiles, r_tiles = plan.send_dst.shape[0], plan.recv_expert.shape[0]
   tm, d = tiles.block_m, xs_SD.shape[1]
   if xs_SD.shape[0] != s_tiles * tm:
     raise ValueError(f"send buffer of {xs_SD.shape[0]} rows is not {s_tiles} tiles of block_m={tm} rows")
-  widths = [w.shape[2] for w in weights]
+  widths = [w.shape[1 if transposed else 2] for w in weights]
   reason = unsupported(d, widths, xs_SD.dtype, tiles)
   if reason:
     raise ValueError(f"MoE dispatch GEMM kernel: {reason}")
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   out_type = [ring.out_type((r_tiles * tm, d), xs_SD.dtype, xs_SD, *weights, axes=axes)]
   out_type += [ring.out_type((r_tiles * tm, f), xs_SD.dtype, xs_SD, *weights, axes=axes)
-               for f in (widths[:1] if swiglu else widths)]
+               for f in ([widths[0]] * swiglu_epilogue.num_outputs(swiglu) if swiglu else widths)]
   outs = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p, num_weights=len(weights), swiglu=swiglu), out_type=out_type,
+      functools.partial(protocol.run, machine, p=p, num_weights=len(weights), swiglu=swiglu, transposed=transposed),
+      out_type=out_type,
       scratch_types=[gpu_machine.arrival_type((r_tiles,))] if p > 1 else [],
       num_blocks=num_blocks, interpret=interpret,
   )(*(getattr(plan, name) for name in SCALARS), xs_SD, *weights)

@@ -9,21 +9,24 @@
    recv_src_tile[m] mod B (the twin's DMA semaphore is on that block; on the GPU it is the block that
    awaits it). It awaits the tile's bytes (a tile from myself was copied by this very block in phase 1)
    and multiplies it by its expert's weights, one column tile after another. A tile is computed as soon as
-   its own rows are there, not when the whole exchange is done. With `swiglu`, the weights are gate and
-   up, and each column tile stores silu(gate) * up from the two products (swiglu.py) as the one output.
+   its own rows are there, not when the whole exchange is done. With `swiglu` (a swiglu.MODES mode), the
+   weights are gate and up, and each column tile stores silu(gate) * up from the two products (swiglu.py),
+   and for "keep" the products too.
+   With `transposed`, the weights are stored [E_l, F_i, D] and multiplied transposed (the backward reads
+   the forward's weights as they are: moe_routing.weight_columns).
 """
 
 from __future__ import annotations
 
 from jax.experimental import pallas as pl
 
-from meshmoe.pallas_kernels import ring
+from meshmoe.pallas_kernels import moe_routing, ring
 from meshmoe.pallas_kernels.moe_dispatch_gemm import swiglu as swiglu_epilogue
 
 
 def run(machine, send_dst, send_dst_tile, num_send, recv_expert, recv_src, recv_src_tile, num_recv, xs_ref,
-        *refs, p: int, num_weights: int, swiglu: bool = False) -> None:
-  num_outputs = 1 if swiglu else num_weights
+        *refs, p: int, num_weights: int, swiglu: str | None = None, transposed: bool = False) -> None:
+  num_outputs = swiglu_epilogue.num_outputs(swiglu) if swiglu else num_weights
   w_refs, (xr_ref, *out_refs) = refs[:num_weights], refs[num_weights:num_weights + num_outputs + 1]
   arrivals = refs[num_weights + num_outputs + 1] if p > 1 else None
   tiles = machine.tiles
@@ -59,19 +62,15 @@ def run(machine, send_dst, send_dst_tile, num_send, recv_expert, recv_src, recv_
         def _():
           machine.await_arrival(arrivals.at[m], xr_ref.at[tile(m)])
 
-      if swiglu:
-        (h_ref,) = out_refs
-
-        @pl.loop(0, h_ref.shape[1] // tiles.block_n)
+      # (weights, outputs, epilogue): SwiGLU's two products make its outputs.
+      groups = ([(w_refs, out_refs, swiglu_epilogue.epilogue(swiglu))] if swiglu
+                else [((w_ref,), (out_ref,), lambda product: (product,)) for w_ref, out_ref in zip(w_refs, out_refs)])
+      for weights, outputs, epilogue in groups:
+        @pl.loop(0, outputs[0].shape[1] // tiles.block_n)
         def _column(ni):
           columns = pl.ds(ni * tiles.block_n, tiles.block_n)
-          gate, up = (machine.matmul(xr_ref.at[tile(m)], w_ref.at[recv_expert[m], :, columns]) for w_ref in w_refs)
-          machine.store(swiglu_epilogue.hidden(gate, up), h_ref.at[tile(m), columns])
-        return
-
-      for w_ref, out_ref in zip(w_refs, out_refs):
-        @pl.loop(0, out_ref.shape[1] // tiles.block_n)
-        def _column(ni):
-          columns = pl.ds(ni * tiles.block_n, tiles.block_n)
-          acc = machine.matmul(xr_ref.at[tile(m)], w_ref.at[recv_expert[m], :, columns])
-          machine.store(acc, out_ref.at[tile(m), columns])
+          products = [machine.matmul(xr_ref.at[tile(m)], moe_routing.weight_columns(w_ref, recv_expert[m], columns,
+                                                                                  transposed), transpose_b=transposed)
+                      for w_ref in weights]
+          for value, out_ref in zip(epilogue(*products), outputs):
+            machine.store(value, out_ref.at[tile(m), columns])

@@ -1,12 +1,15 @@
 """SwiGLU fused into the MoE kernels, so no [R, F] gate or up buffer exists.
 
 Forward: the dispatch kernel multiplies a received tile by its expert's gate and up columns (two float32
-accumulators of one column tile) and stores only the hidden units silu(gate) * up (`hidden`), rounded
-once; the return kernel reads those. Backward: `gradient_kernel` recomputes gate and up per tile from the
-received rows (kept from the forward) and writes their gradients (`gradients`) straight away: the
-cotangents the return kernel and the weight gradients need anyway. The recomputation is two tile GEMMs per
-tile and column, local (no communication), in exchange for keeping 2 x [R, F] per layer out of memory
-(R is the dropless worst-case receive buffer, P times a device's share of the rows).
+accumulators of one column tile) and stores the hidden units silu(gate) * up (`hidden`), rounded once; the
+return kernel reads those. The gradient needs gate and up again, in one of two ways (`MODES`, the config's
+`parallel.moe_swiglu_gradient`):
+- "recompute": `gradient_kernel` recomputes gate and up per tile from the received rows (kept from the
+  forward) and writes their gradients (`gradients`) straight away: the cotangents the return kernel and
+  the weight gradients need anyway. Two tile GEMMs per tile and column, local (no communication), in
+  exchange for no [R, F] gate or up buffer at all (R is the dropless worst-case receive buffer, P times a
+  device's share of the rows).
+- "keep": the dispatch kernel also stores gate and up, and the backward's elementwise gradient reads them.
 
 One definition of the arithmetic, for the kernels on both machines and the reference.
 Legend as in ../moe_routing.py: R receive rows, D model width, F expert width.
@@ -17,6 +20,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from meshmoe.config import SWIGLU_GRADIENTS
+
+
+MODES = SWIGLU_GRADIENTS  # the config's `parallel.moe_swiglu_gradient` choices
+
+
+def epilogue(mode: str):
+  """The dispatch kernel's outputs from a column tile's float32 gate and up products, for `mode`."""
+  if mode not in MODES:
+    raise ValueError(f"SwiGLU gradient mode {mode!r}: one of {', '.join(map(repr, MODES))}")
+  return (lambda gate, up: (hidden(gate, up), gate, up)) if mode == "keep" else (lambda gate, up: (hidden(gate, up),))
+
+
+def num_outputs(mode: str) -> int:
+  return 3 if mode == "keep" else 1
 
 
 def hidden(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -20,17 +20,19 @@ from meshmoe.pallas_kernels.ring import Axes
 
 
 def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *, num_blocks: int,
-                  tiles: Tiles, swiglu: bool = False, interpret=ring.INTERPRET_PARAMS) -> tuple[jax.Array, ...]:
-  """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, the one product silu(gate) * up of
-  weights (gate, up)). weights_i: [E_l, D, F_i]."""
+                  tiles: Tiles, swiglu: str | None = None, transposed: bool = False,
+                  interpret=ring.INTERPRET_PARAMS) -> tuple[jax.Array, ...]:
+  """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, a swiglu.MODES mode, the products
+  silu(gate) * up, and for "keep" gate and up, of weights (gate, up)). weights_i: [E_l, D, F_i], or [E_l, F_i, D] multiplied transposed (`transposed`)."""
   r_tiles, tm, d = plan.recv_expert.shape[0], tiles.block_m, xs_SD.shape[1]
   out_shape = [ring.out_type((r_tiles * tm, d), xs_SD.dtype, xs_SD, *weights, axes=axes)]
-  out_shape += [ring.out_type((r_tiles * tm, w.shape[2]), xs_SD.dtype, xs_SD, *weights, axes=axes)
-                for w in (weights[:1] if swiglu else weights)]
+  out_shape += [ring.out_type((r_tiles * tm, w.shape[1 if transposed else 2]), xs_SD.dtype, xs_SD, *weights,
+                              axes=axes)
+                for w in ([weights[0]] * swiglu_epilogue.num_outputs(swiglu) if swiglu else weights)]
   scalars = [getattr(plan, name) for name in SCALARS]
   return tuple(twin_machine.launch(
       functools.partial(protocol.run, twin_machine.TwinMachine(axes, num_blocks, tiles), p=ring.size(axes),
-                        num_weights=len(weights), swiglu=swiglu),
+                        num_weights=len(weights), swiglu=swiglu, transposed=transposed),
       name="moe_dispatch_gemm", axes=axes, operands=(*scalars, xs_SD, *weights), out_shape=out_shape,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] * len(scalars)
       + [pl.BlockSpec(memory_space=pl.ANY)] * (1 + len(weights)),

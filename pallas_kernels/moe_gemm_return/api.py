@@ -61,8 +61,8 @@ def _forward(options, axes, hs, weights, plan):
 
 def _backward(options, axes, residuals, dret_SD):
   hs, weights, plan = residuals
-  dy_RD, *dhs = moe_backends.dispatch_gemm(options, axes)(dret_SD.astype(hs[0].dtype),
-                                                            moe_backends.transposed(weights), plan)
+  dy_RD, *dhs = moe_backends.dispatch_gemm(options, axes, transposed=True)(dret_SD.astype(hs[0].dtype), weights,
+                                                                           plan)
   dweights = tuple(moe_backends.expert_weight_gradient(options, h, dy_RD, plan, w) for h, w in zip(hs, weights))
   return tuple(dhs), dweights, None
 

@@ -26,13 +26,13 @@ def unsupported(widths: Sequence[int], d: int, dtype, tiles: Tiles = mosaic_tile
 
 
 def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *,
-                num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
+                num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, transposed: bool = False,
                 interpret=None) -> jax.Array:
-  """ret_SD, as reference.gemm_return; the plan's tile rows must be tiles.block_m. `interpret`: see
-  moe_dispatch_gemm.mosaic_gpu."""
+  """ret_SD, as reference.gemm_return (with `transposed`, weights stored [E_l, D, F_i] and multiplied
+  transposed); the plan's tile rows must be tiles.block_m. `interpret`: see moe_dispatch_gemm.mosaic_gpu."""
   p = ring.size(axes)
   s_tiles, r_tiles = plan.send_dst.shape[0], plan.recv_expert.shape[0]
-  tm, d, dtype = tiles.block_m, weights[0].shape[2], hs[0].dtype
+  tm, d, dtype = tiles.block_m, weights[0].shape[1 if transposed else 2], hs[0].dtype
   if hs[0].shape[0] != r_tiles * tm:
     raise ValueError(f"inputs of {hs[0].shape[0]} rows are not {r_tiles} tiles of block_m={tm} rows")
   reason = unsupported([h.shape[1] for h in hs], d, dtype, tiles)
@@ -40,7 +40,7 @@ def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Til
     raise ValueError(f"MoE GEMM return kernel: {reason}")
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   ret_SD = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p, num_inputs=len(hs)),
+      functools.partial(protocol.run, machine, p=p, num_inputs=len(hs), transposed=transposed),
       out_type=ring.out_type((s_tiles * tm, d), dtype, *hs, *weights, axes=axes),
       scratch_types=[gpu_machine.arrival_type((s_tiles * (d // tiles.block_n),))] if p > 1 else [],
       num_blocks=num_blocks, interpret=interpret,

@@ -6,7 +6,8 @@ B blocks.
    used receive tiles from that owner, flat index m * D_t + ni, each run by block item mod B: the sum of
    the tile's GEMMs against its expert's weights, put straight into tile recv_src_tile[m], column tile ni,
    of the owner's `ret`, whose arrivals[that tile * D_t + ni] counts its bytes. Tiles go home as soon as
-   they are computed; nothing here waits for a peer.
+   they are computed; nothing here waits for a peer. With `transposed`, the weights are stored [E_l, D, F_i]
+   and multiplied transposed (moe_routing.weight_columns).
 2. land: my used send tile s went to tile m = send_dst_tile[s] of device send_dst[s]; its column tile ni
    comes back from that device's item m * D_t + ni, so the block with that item's index, which holds the
    twin's DMA semaphore, awaits its bytes (a tile I computed for myself was stored by this very block in
@@ -18,11 +19,11 @@ from __future__ import annotations
 from jax import lax
 from jax.experimental import pallas as pl
 
-from meshmoe.pallas_kernels import ring
+from meshmoe.pallas_kernels import moe_routing, ring
 
 
 def run(machine, recv_expert, recv_src, recv_src_tile, num_recv, send_dst, send_dst_tile, num_send, *refs,
-        p: int, num_inputs: int) -> None:
+        p: int, num_inputs: int, transposed: bool = False) -> None:
   h_refs, w_refs, ret_ref = refs[:num_inputs], refs[num_inputs:2 * num_inputs], refs[2 * num_inputs]
   arrivals = refs[2 * num_inputs + 1] if p > 1 else None
   tiles = machine.tiles
@@ -42,7 +43,9 @@ def run(machine, recv_expert, recv_src, recv_src_tile, num_recv, send_dst, send_
         columns = pl.ds(ni * tiles.block_n, tiles.block_n)
         acc = None
         for h_ref, w_ref in zip(h_refs, w_refs):
-          product = machine.matmul(h_ref.at[tile(m)], w_ref.at[recv_expert[m], :, columns])
+          product = machine.matmul(h_ref.at[tile(m)],
+                                   moe_routing.weight_columns(w_ref, recv_expert[m], columns, transposed),
+                                   transpose_b=transposed)
           acc = product if acc is None else acc + product
         target = ret_ref.at[tile(recv_src_tile[m]), columns]
         if offset == 0:

@@ -20,13 +20,15 @@ from meshmoe.pallas_kernels.ring import Axes
 
 
 def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: TilePlan, axes: Axes, *,
-                num_blocks: int, tiles: Tiles, interpret=ring.INTERPRET_PARAMS) -> jax.Array:
-  """ret_SD, as reference.gemm_return. hs_i: [R, F_i]; weights_i: [E_l, F_i, D]."""
-  s_tiles, d = plan.send_dst.shape[0], weights[0].shape[2]
+                num_blocks: int, tiles: Tiles, transposed: bool = False,
+                interpret=ring.INTERPRET_PARAMS) -> jax.Array:
+  """ret_SD, as reference.gemm_return. hs_i: [R, F_i]; weights_i: [E_l, F_i, D], or [E_l, D, F_i]
+  multiplied transposed (`transposed`)."""
+  s_tiles, d = plan.send_dst.shape[0], weights[0].shape[1 if transposed else 2]
   scalars = [getattr(plan, name) for name in SCALARS]
   return twin_machine.launch(
       functools.partial(protocol.run, twin_machine.TwinMachine(axes, num_blocks, tiles), p=ring.size(axes),
-                        num_inputs=len(hs)),
+                        num_inputs=len(hs), transposed=transposed),
       name="moe_gemm_return", axes=axes, operands=(*scalars, *hs, *weights),
       out_shape=ring.out_type((s_tiles * tiles.block_m, d), hs[0].dtype, *hs, *weights, axes=axes),
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] * len(scalars)

@@ -45,10 +45,10 @@ def gemm_in_kernels(choice: OpChoice | None) -> bool:
   return kernels is not None and kernels.rows != "xla"
 
 
-def swiglu_in_kernels(choice: OpChoice | None) -> bool:
-  """Whether the MoE kernels compute SwiGLU themselves (pallas_kernels/moe_dispatch_gemm/swiglu.py): no
-  [R, F] gate or up buffer, and a backward that recomputes both."""
-  return in_custom_calls(choice) and choice.implementation == "fused"
+def swiglu_recomputed(choice: OpChoice | None) -> bool:
+  """Whether the MoE kernels compute SwiGLU themselves and recompute gate and up for its gradient
+  (pallas_kernels/moe_dispatch_gemm/swiglu.py): no [R, F] gate or up buffer, 2 more GEMMs per 9."""
+  return in_custom_calls(choice) and choice.implementation == "fused" and choice.swiglu_gradient == "recompute"
 
 
 def tokamax_rows(rows_per_expert: float, experts: int) -> float:

@@ -181,13 +181,13 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   buffers += assignments * d * c * 2 + (2 * (rows + returned) * d * c if ep > 1 else 0)
   if choice.implementation == "fused":
     # The tile plan's buffers: send and returned rows, received rows with their hidden units (and gate and
-    # up unless the kernels fuse SwiGLU); the backward's dispatched gradients [R, D + F] are transient, and
-    # with the fused SwiGLU the gate and up gradients [R, 2F] its gradient kernel writes.
+    # up unless the kernels recompute them); the backward's dispatched gradients [R, D + F] are transient,
+    # and when recomputing the gate and up gradients [R, 2F] the SwiGLU gradient kernel writes.
     send_rows, receive_rows = cost_kernels.moe_buffer_rows(int(assignments), ep, local_experts)
     buffers = 2 * (gathered - tokens) * d * c + assignments * d * c * 2 + 2 * send_rows * d * c
-    fused_swiglu = cost_kernels.swiglu_in_kernels(choice)
-    hidden = receive_rows * (d + (1 if fused_swiglu else 3) * width) * c
-    transient = receive_rows * (d + (3 if fused_swiglu else 1) * width) * c
+    recomputed = cost_kernels.swiglu_recomputed(choice)
+    hidden = receive_rows * (d + (1 if recomputed else 3) * width) * c
+    transient = receive_rows * (d + (3 if recomputed else 1) * width) * c
     weights = 0.0
     if not cost_kernels.in_custom_calls(choice):
       # The kernels' plain-XLA versions (reference.py) multiply every receive tile by its expert's weights,

@@ -130,7 +130,7 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   if attention_in_kernels(attention):
     # Flash attention's backward recomputes the scores: 5 GEMMs against the plain backward's 4.
     scale["attention_scores"] += 0.5
-  if cost_kernels.swiglu_in_kernels(plan.ops.get("moe")):
+  if cost_kernels.swiglu_recomputed(plan.ops.get("moe")):
     scale["routed_experts"] += 2 / 3  # the SwiGLU gradient kernel recomputes gate and up: 2 of the 3 GEMMs
   return ForwardFlops(**{name: scale[name] * value for name, value in vars(forward).items()})
 

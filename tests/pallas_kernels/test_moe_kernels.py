@@ -69,9 +69,9 @@ def _parameters(p: int, seed: int = 0):
   return x, combine, gate, up, down
 
 
-def _moe_layer(dispatch_backend: str, return_backend: str, num_blocks: int = 1, swiglu: bool = False):
-  """A whole expert-parallel MoE layer per device, on the given backends; with `swiglu`, SwiGLU fused into
-  the dispatch kernel (else computed between the kernels)."""
+def _moe_layer(dispatch_backend: str, return_backend: str, num_blocks: int = 1, swiglu: str | None = None):
+  """A whole expert-parallel MoE layer per device, on the given backends; with `swiglu` (its gradient's
+  mode), SwiGLU fused into the dispatch kernel (else computed between the kernels)."""
   options = dict(tiles=TWIN_TILES, num_sms=num_blocks)
 
   def layer(x_TD, experts_TK, combine_TK, gate, up, down):
@@ -80,7 +80,7 @@ def _moe_layer(dispatch_backend: str, return_backend: str, num_blocks: int = 1, 
     plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("a",), E_LOCAL, TM)
     if swiglu:
       h = dispatch_api.dispatch_swiglu(x_TD[token_A], gate, up, plan, "a", tile_rows=TM, backend=dispatch_backend,
-                                       **options)
+                                       gradient=swiglu, **options)
     else:
       g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "a", tile_rows=TM,
                                         backend=dispatch_backend, **options)
@@ -161,12 +161,12 @@ def test_twins_equal_the_references_without_races(p, case):
   assert_close(out, _numpy_moe(x, experts, combine, gate, up, down), FP32_MODULE_RTOL, "MoE layer")
 
 
-@pytest.mark.parametrize("p", [2, 4, 8])
-def test_fused_swiglu_twins_equal_the_numpy_moe_without_races(p):
+@pytest.mark.parametrize("p,mode", [(2, "recompute"), (4, "recompute"), (8, "recompute"), (4, "keep")])
+def test_fused_swiglu_twins_equal_the_numpy_moe_without_races(p, mode):
   mesh = harness.cpu_mesh((p, 1))
   experts = _routing("uneven_with_drops", p, np.random.default_rng(p + 20))
   x, combine, gate, up, down = _parameters(p, seed=4)
-  layer = _moe_layer("tpu_interpret", "tpu_interpret", TWIN_BLOCKS[p], swiglu=True)
+  layer = _moe_layer("tpu_interpret", "tpu_interpret", TWIN_BLOCKS[p], swiglu=mode)
   out = harness.per_device(layer, mesh, (SPEC,) * 6, SPEC)(x, experts, combine, gate, up, down)
   assert_close(out, _numpy_moe(x, experts, combine, gate, up, down), FP32_MODULE_RTOL, "MoE layer")
 
@@ -204,14 +204,15 @@ def test_race_detector_catches_the_protocol_with_its_arrival_waits_left_out():
   assert harness.take_race_verdicts() == ["moe_dispatch_gemm"]
 
 
-@pytest.mark.parametrize("case,swiglu", [("random", False), ("uneven_with_drops", False), ("uneven_with_drops", True)])
+@pytest.mark.parametrize("case,swiglu", [("random", None), ("uneven_with_drops", None),
+                                         ("uneven_with_drops", "recompute"), ("uneven_with_drops", "keep")])
 def test_fused_gradients_equal_the_reference(case, swiglu):
   p = 4
   mesh = harness.cpu_mesh((p, 1))
   experts = _routing(case, p, np.random.default_rng(7))
   x, combine, gate, up, down = _parameters(p, seed=3)
 
-  def grads(backend, swiglu=False):
+  def grads(backend, swiglu=None):
     def per_device(x_TD, experts_TK, combine_TK, gate, up, down):
       layer = _moe_layer(backend, backend, swiglu=swiglu)
       loss = lambda x, g, u, d: jnp.sum(layer(x, experts_TK, combine_TK, g, u, d) ** 2)
@@ -260,8 +261,10 @@ def test_mosaic_kernels_of_a_moe_layer_compile_for_8_h100s_forward_and_backward(
     assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo, collective
 
 
-@pytest.mark.parametrize("num_blocks", [1, 3])
-def test_mosaic_compute_path_equals_the_reference(num_blocks):
+@pytest.mark.parametrize("num_blocks,transposed", [(1, False), (3, False), (3, True)])
+def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed):
+  """With `transposed`, the kernels get the weights stored transposed and multiply them transposed (as
+  the backward passes do)."""
   mesh = harness.one_device_ring()
   tokens, d, f, e_local = 96, 256, 128, 3
   rng = np.random.default_rng(num_blocks)
@@ -281,8 +284,10 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks):
       return xr, h, gemm_return((h,), (down,), plan, ("x",))
     return harness.per_device(per_device, mesh, (P("x"),) * 4, (P("x"),) * 3)
 
-  kernel = functools.partial(dispatch_mosaic.dispatch_gemm, num_blocks=num_blocks, interpret=harness.GPU_INTERPRET)
-  back = functools.partial(return_mosaic.gemm_return, num_blocks=num_blocks, interpret=harness.GPU_INTERPRET)
+  options = dict(num_blocks=num_blocks, transposed=transposed, interpret=harness.GPU_INTERPRET)
+  stored = (lambda w: jnp.swapaxes(w, 1, 2)) if transposed else (lambda w: w)
+  kernel = lambda xs, ws, plan, axes: dispatch_mosaic.dispatch_gemm(xs, tuple(map(stored, ws)), plan, axes, **options)
+  back = lambda hs, ws, plan, axes: return_mosaic.gemm_return(hs, tuple(map(stored, ws)), plan, axes, **options)
   got = stages(kernel, back)(x, experts, gate, down)
   want = stages(dispatch_api.reference.dispatch_gemm, return_api.reference.gemm_return)(x, experts, gate, down)
   for g, w, name in zip(got, want, ("received rows", "products", "returned rows")):
@@ -290,6 +295,7 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks):
 
 
 def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference():
+  """The "keep" epilogue (hidden units, gate and up) and the "recompute" gradient kernel."""
   mesh = harness.one_device_ring()
   tokens, d, f, e_local = 96, 256, 128, 3
   rng = np.random.default_rng(1)
@@ -305,17 +311,20 @@ def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference():
       t, k = experts_TK.shape
       plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, 64)
       xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, 64, plan.send_dst.shape[0])
-      xr, h = dispatch(xs, (gate, up), plan, ("x",))
-      return (h, *gradient(xr, dh_RF, gate, up, plan))
-    return harness.per_device(per_device, mesh, (P("x"),) * 5, (P("x"),) * 3)
+      xr, *products = dispatch(xs, (gate, up), plan, ("x",))
+      return (*products, *gradient(xr, dh_RF, gate, up, plan))
+    return harness.per_device(per_device, mesh, (P("x"),) * 5, (P("x"),) * 5)
 
-  got = stages(functools.partial(dispatch_mosaic.dispatch_gemm, num_blocks=3, swiglu=True,
+  got = stages(functools.partial(dispatch_mosaic.dispatch_gemm, num_blocks=3, swiglu="keep",
                                  interpret=harness.GPU_INTERPRET),
                functools.partial(dispatch_mosaic.swiglu_gradient, num_blocks=3, interpret=harness.GPU_INTERPRET))(
       x, experts, dh, gate, up)
-  want = stages(functools.partial(dispatch_reference.dispatch_gemm, swiglu=True), dispatch_reference.swiglu_gradient)(
-      x, experts, dh, gate, up)
-  for g, w, name in zip(got, want, ("hidden units", "gate gradient", "up gradient")):
+  def reference(*args):  # (xr, hidden units, gate, up)
+    xr, gate, up = dispatch_reference.dispatch_gemm(*args)
+    return xr, dispatch_reference.dispatch_gemm(*args, swiglu=True)[1], gate, up
+
+  want = stages(reference, dispatch_reference.swiglu_gradient)(x, experts, dh, gate, up)
+  for g, w, name in zip(got, want, ("hidden units", "gate", "up", "gate gradient", "up gradient")):
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
 
 
