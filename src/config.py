@@ -185,8 +185,9 @@ class ParallelConfig:
   # impl="pallas": the fused MoE kernels compute SwiGLU in the dispatch kernel, and its gradient either
   # "recompute"s gate and up per tile in the backward (no [R, F] gate or up buffer exists, R the dropless
   # worst-case receive rows; 2 more of the layer's 9 expert GEMM units) or "keep"s them from the forward
-  # (2 x [R, F] per layer; under remat only the layer being differentiated holds them). Peak memory and
-  # FLOPs of both on moe_1b and Mixtral-8x7B: experiments/benchmarks/RESULTS.md.
+  # (2 x [R, F] per layer; under remat only the layer being differentiated holds them). Mixtral-8x7B on
+  # 64 H100s: 48.8 GB peak recomputing, 50.7 GB keeping (compiled), and 1.185x against 1.016x the useful
+  # expert FLOPs (modelled; experiments/benchmarks/RESULTS.md). Keep where memory is not short.
   moe_swiglu_gradient: str = "recompute"
   # How the routed experts' gradients are summed over their replicas, the devices that hold the same experts
   # and compute on other tokens (`data`, and `sequence` where it splits the tokens; sharding/gradient_sync.py):

@@ -460,20 +460,27 @@ def _num_sms() -> int:
   return sm_budget.device_sms()
 
 
-def _moe_layer(backend: str, num_sms: int, e_local: int):
+def _moe_layer(backend: str, num_sms: int, e_local: int, swiglu: str | None = None):
+  """With `swiglu` (the gradient's mode), SwiGLU fused into the dispatch kernel; else between the kernels."""
   def layer(x_TD, experts_TK, gate, up, down):
     t, k = experts_TK.shape
     token_A = jnp.arange(t * k) // k
     plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, TM)
-    g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "x", tile_rows=TM, backend=backend,
-                                      num_sms=num_sms)
-    y_AD = return_api.gemm_return((jax.nn.silu(g) * u,), (down,), plan, "x", backend=backend, num_sms=num_sms)
+    if swiglu:
+      h = dispatch_api.dispatch_swiglu(x_TD[token_A], gate, up, plan, "x", tile_rows=TM, backend=backend,
+                                       num_sms=num_sms, gradient=swiglu)
+    else:
+      g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "x", tile_rows=TM, backend=backend,
+                                        num_sms=num_sms)
+      h = jax.nn.silu(g) * u
+    y_AD = return_api.gemm_return((h,), (down,), plan, "x", backend=backend, num_sms=num_sms)
     return jnp.zeros((t, y_AD.shape[1]), jnp.float32).at[token_A].add(y_AD.astype(jnp.float32))
 
   return layer
 
 
-def test_comet_moe_kernels_forward_and_gradients_on_one_gpu():
+@pytest.mark.parametrize("swiglu", [None, "recompute", "keep"])
+def test_comet_moe_kernels_forward_and_gradients_on_one_gpu(swiglu):
   _needs_hopper()
   tokens, top_k, d, f, e_local = 256, 2, 256, 256, 4
   rng = np.random.default_rng(3)
@@ -489,7 +496,7 @@ def test_comet_moe_kernels_forward_and_gradients_on_one_gpu():
 
   def forward_and_grads(backend):
     def per_device(x, experts, gate, up, down, ct):
-      layer = _moe_layer(backend, _num_sms(), e_local)
+      layer = _moe_layer(backend, _num_sms(), e_local, swiglu if backend == "mosaic_gpu" else None)
       out, pullback = jax.vjp(lambda x, g, u, dn: layer(x, experts, g, u, dn), x, gate, up, down)
       return out, pullback(ct)
     spec = P("x")
@@ -497,7 +504,8 @@ def test_comet_moe_kernels_forward_and_gradients_on_one_gpu():
 
   args = (x, experts, gate, up, down, ct)
   compiled = forward_and_grads("mosaic_gpu").lower(*args).compile()
-  assert _mosaic_calls(compiled.as_text()) >= 7, "two kernels forward; backward two kernels and three weight gradients"
+  # Two kernels forward; backward two kernels, three weight gradients and with "recompute" the SwiGLU gradient.
+  assert _mosaic_calls(compiled.as_text()) >= (8 if swiglu == "recompute" else 7)
   got_out, got_grads = compiled(*args)
   want_out, want_grads = forward_and_grads("collectives")(*args)
   assert_close(got_out, want_out, BF16_MODEL_RTOL, "MoE layer output")

@@ -14,8 +14,8 @@ Groups (rows of the table):
   sharding/grouped_ffn.py runs it) and down (K = expert width, N = d_model). Implementations:
   - `tokamax`: tokamax's grouped GEMM as the MoE path calls it (sharding/tokamax_gemm.ragged_matmul, with
     the plan's kernels for this GPU: Mosaic GPU on sm90; its own VJP);
-  - `mosaic_tiles`: meshmoe's own Mosaic GPU tiles (pallas_kernels/): the Comet dispatch + grouped GEMM
-    kernel on a ring of one GPU (its send phase is then a local copy of the rows into the receive buffer,
+  - `mosaic_tiles BMxBNxBKxSTAGES`: meshmoe's own Mosaic GPU tiles (pallas_kernels/), one row per tile
+    shape of --mosaic_tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU (its send phase is then a local copy of the rows into the receive buffer,
     part of what it costs); forward + backward is its custom VJP (the GEMM + return kernel with the
     transposed weights, and the grouped weight-gradient kernel). Hopper only;
   - `ragged_dot`: jax.lax.ragged_dot (XLA's own lowering);
@@ -86,6 +86,9 @@ flags.DEFINE_integer("iters", 20, "timed samples; the median is reported", lower
 flags.DEFINE_integer("inner", 10, "calls per sample, launched back to back", lower_bound=1)
 flags.DEFINE_integer("warmup", 3, "untimed calls after the compiling one", lower_bound=0)
 flags.DEFINE_list("only", list(GROUPS), f"groups to run: {', '.join(GROUPS)}")
+flags.DEFINE_list("mosaic_tiles", ["64x128x64x4", "128x128x64x4"],
+                  "tile shapes BMxBNxBKxSTAGES of meshmoe's Mosaic GPU grouped GEMM rows, one row each "
+                  "(pallas_kernels/mosaic_tiles.py; the first is the kernels' default)")
 flags.DEFINE_float("peak_tflops", 0.0, "dense bf16 peak TFLOP/s of the device (0: look up its kind)")
 flags.DEFINE_bool("platform_check", True, "require a GPU (--noplatform_check: run the CPU versions)")
 flags.DEFINE_string("json_out", None, "also write the rows as JSON lines to this file")
@@ -159,9 +162,7 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
   from jax.sharding import Mesh
   from jax.sharding import PartitionSpec as P
 
-  from meshmoe.pallas_kernels import moe_routing, mosaic_tiles, sm_budget
-  from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api
-  from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic
+  from meshmoe.pallas_kernels import moe_routing
   from meshmoe.sharding import tokamax_gemm
   from meshmoe.sharding.plan import Hardware
 
@@ -169,18 +170,18 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
   kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
   hopper = on_gpu and hardware.compute_capability.startswith("9.")
   num_sms = hardware.num_sms or None  # None: read from the device
-  num_blocks = sm_budget.kernel_blocks("mosaic_gpu", num_sms) if hopper else 0
   sizes_np = np.full((e,), m // e, np.int64)
   sizes_np[: m % e] += 1  # balanced; the first m % e experts take one row more
   offsets = np.concatenate([[0], np.cumsum(sizes_np)])
   sizes = jnp.asarray(sizes_np, jnp.int32)
   experts_A = jnp.asarray(np.repeat(np.arange(e), sizes_np), jnp.int32)  # assignment order = expert order
-  tm = mosaic_tiles.DEFAULT_TILES.block_m
   mesh = Mesh(np.array([device]), ("x",))
   on_ring = lambda fn, n_in, n_out: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * n_in,
                                                           out_specs=P() if n_out == 1 else (P(),) * n_out,
                                                           check_vma=False))
-  tile_plan = on_ring(lambda ids: moe_routing.make_tile_plan(ids, ("x",), e, tm), 1, 1)(experts_A) if hopper else None
+  tile_sweep = [parse_tiles(text) for text in FLAGS.mosaic_tiles]
+  tile_plans = {tiles.block_m: on_ring(lambda ids, tm=tiles.block_m: moe_routing.make_tile_plan(ids, ("x",), e, tm),
+                                       1, 1)(experts_A) for tiles in tile_sweep} if hopper else {}
   rows = []
   for shape_name, (k, n) in shapes.items():
     keys = jax.random.split(jax.random.key(0), 3)
@@ -214,33 +215,66 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
             return y, pullback(dy)
           rows.append(run_row(row, lambda f=fwd_bwd: (jax.jit(f), (x, w, dy))))
 
-      # meshmoe's own Mosaic GPU tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU.
-      row = Row("gemm", "mosaic_tiles", label, mode, flops if mode == "fwd" else 3 * flops)
-      why = (None if hopper else "meshmoe's Mosaic GPU kernels need a Hopper GPU") or dispatch_api.unsupported(
-          k, [n], jnp.bfloat16)
-      if why:
-        rows.append(skipped(row, why))
-        continue
-      # Balanced groups of whole tiles in expert order: the receive buffer's first M rows are x's rows.
-      whole_tiles = all(s % tm == 0 for s in sizes_np)
-      if mode == "fwd":
-        xs = on_ring(lambda x, plan: moe_routing.send_buffer(x, plan, tm, plan.send_dst.shape[0]), 2, 1)(x, tile_plan)
-        kernel = jax.jit(jax.shard_map(
-            lambda xs, w, plan: dispatch_mosaic.dispatch_gemm(xs, (w,), plan, ("x",), num_blocks=num_blocks)[1],
-            mesh=mesh, in_specs=(P(), P("x"), P()), out_specs=P("x"), check_vma=True))
-        check_tiles = (lambda y: relative_error(y[:m], reference)) if whole_tiles else None
-        rows.append(run_row(row, lambda: (kernel, (xs, w, tile_plan)), check_tiles))
-      else:
-        def per_device(x, w, dy, plan):
-          fn = lambda x, w: dispatch_api.dispatch_gemm(x, (w,), plan, ("x",), tile_rows=tm, backend="mosaic_gpu",
-                                                       num_sms=num_sms)[0]
-          y, pullback = jax.vjp(fn, x, w)
-          dy_R = jnp.zeros(y.shape, y.dtype).at[:m].set(dy)  # receive-buffer layout: rows past M are padding
-          return y, pullback(dy_R)
-        kernel = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P()),
-                                       out_specs=(P("x"), (P("x"), P("x"))), check_vma=True))
-        rows.append(run_row(row, lambda: (kernel, (x, w, dy, tile_plan))))
+      for tiles in tile_sweep:
+        rows.append(mosaic_gemm_row(Row("gemm", f"mosaic_tiles {tile_name(tiles)}", label, mode,
+                                        flops if mode == "fwd" else 3 * flops),
+                                    tiles, x, w, dy, tile_plans.get(tiles.block_m), mesh, num_sms,
+                                    reference if all(s % tiles.block_m == 0 for s in sizes_np) else None,
+                                    None if hopper else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
   return rows
+
+
+def parse_tiles(text: str):
+  """`BMxBNxBKxSTAGES` (e.g. 128x128x64x4) as mosaic_tiles.Tiles."""
+  from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+
+  parts = text.split("x")
+  if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"--mosaic_tiles entry {text!r}: BMxBNxBKxSTAGES, four positive integers (e.g. 64x128x64x4)")
+  return Tiles(*map(int, parts))
+
+
+def tile_name(tiles) -> str:
+  return f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.stages}"
+
+
+def mosaic_gemm_row(row: Row, tiles, x, w, dy, tile_plan, mesh, num_sms, reference, not_here) -> Row:
+  """meshmoe's own Mosaic GPU tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU, with
+  `tiles` (its tile plan's rows are tiles.block_m). `reference` (the float32 product) where every expert's
+  rows are whole tiles, so the receive buffer's first M rows are x's rows in order."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  from meshmoe.pallas_kernels import moe_routing, sm_budget
+  from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api
+  from meshmoe.pallas_kernels.moe_dispatch_gemm import mosaic_gpu as dispatch_mosaic
+
+  m, k, n = x.shape[0], x.shape[1], w.shape[2]
+  why = not_here or dispatch_api.unsupported(k, [n], jnp.bfloat16, tiles)
+  if why:
+    return skipped(row, why)
+  tm = tiles.block_m
+  if row.mode == "fwd":
+    num_blocks = sm_budget.kernel_blocks("mosaic_gpu", num_sms)
+    xs = jax.jit(jax.shard_map(lambda x, plan: moe_routing.send_buffer(x, plan, tm, plan.send_dst.shape[0]),
+                               mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))(x, tile_plan)
+    kernel = jax.jit(jax.shard_map(
+        lambda xs, w, plan: dispatch_mosaic.dispatch_gemm(xs, (w,), plan, ("x",), num_blocks=num_blocks,
+                                                          tiles=tiles)[1],
+        mesh=mesh, in_specs=(P(), P("x"), P()), out_specs=P("x"), check_vma=True))
+    check = (lambda y: relative_error(y[:m], reference)) if reference is not None else None
+    return run_row(row, lambda: (kernel, (xs, w, tile_plan)), check)
+
+  def per_device(x, w, dy, plan):
+    fn = lambda x, w: dispatch_api.dispatch_gemm(x, (w,), plan, ("x",), tile_rows=tm, backend="mosaic_gpu",
+                                                 tiles=tiles, num_sms=num_sms)[0]
+    y, pullback = jax.vjp(fn, x, w)
+    dy_R = jnp.zeros(y.shape, y.dtype).at[:m].set(dy)  # receive-buffer layout: rows past M are padding
+    return y, pullback(dy_R)
+  kernel = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P()),
+                                 out_specs=(P("x"), (P("x"), P("x"))), check_vma=True))
+  return run_row(row, lambda: (kernel, (x, w, dy, tile_plan)))
 
 
 def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row]:
@@ -442,6 +476,10 @@ def main(argv):
   unknown = set(FLAGS.only) - set(GROUPS)
   if unknown:
     sys.exit(f"error: --only takes {', '.join(GROUPS)}; unknown: {', '.join(sorted(unknown))}")
+  try:
+    [parse_tiles(text) for text in FLAGS.mosaic_tiles]
+  except ValueError as e:
+    sys.exit(f"error: {e}")
   if FLAGS.config.startswith("_") or not (CONFIGS / f"{FLAGS.config}.py").is_file():
     sys.exit(f"error: --config={FLAGS.config!r} is not a file in experiments/configs/")
   import jax
