@@ -53,9 +53,10 @@ class GpuMachine:
     return position, ring.device(self.axes, position)
 
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
-    """a_ref [block_m, K] @ b_ref [K, N] (b_ref [N, K] transposed, with `transpose_b`) in float32. `copies`: (dst_ref [block_m, K], peer device or None,
-    arrival semaphore or None), made where `copy_when` holds: each A tile is also stored there as it
-    streams through shared memory, and once all are complete each remote copy's arrival counts its bytes."""
+    """a_ref [block_m, K] @ b_ref [K, N] (b_ref [N, K] transposed, with `transpose_b`) in float32.
+    `copies`: (dst_ref [block_m, K], peer device or None, arrival semaphore or None), made where
+    `copy_when` holds: each A tile is also stored there as it streams through shared memory, and once all
+    are complete each remote copy's arrival counts its bytes."""
 
     def forward(k_index, a_smem):
       columns = pl.ds(k_index * self.tiles.block_k, self.tiles.block_k)

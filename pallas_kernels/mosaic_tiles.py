@@ -1,13 +1,13 @@
 """Tile GEMM building blocks shared by the Mosaic GPU kernels (Hopper: TMA copies and WGMMA).
 
 A kernel computes one output tile at a time: `matmul_tile` streams the K dimension of an A row block and
-a B column block through shared memory (a pipeline of `stages` TMA loads ahead of the WGMMA that
-consumes them, with one WGMMA left in flight across K steps) into a float32 accumulator; `store_tile` writes a tile through shared memory to global
-memory (local or a peer's); `load_tile` reads one. The grouped GEMM tiles of the MoE kernels are the same
-tile over one expert's weights. These are written here rather than taken from tokamax, whose Mosaic GPU
-GEMMs read the live device at trace time and so cannot be compiled for GPUs this machine does not have,
-and because the fused kernels need hooks inside the K loop (forwarding each A tile to a peer as it is
-loaded, by the all-gather GEMM).
+a B column block through shared memory (a pipeline of `stages` TMA loads ahead of the WGMMA that consumes
+them, with one WGMMA left in flight across K steps) into a float32 accumulator; `store_tile` writes a
+tile through shared memory to global memory (local or a peer's); `load_tile` reads one. The grouped GEMM
+tiles of the MoE kernels are the same tile over one expert's weights. These are written here rather than
+taken from tokamax, whose Mosaic GPU GEMMs read the live device at trace time and so cannot be compiled
+for GPUs this machine does not have, and because the fused kernels need hooks inside the K loop
+(forwarding each A tile to a peer as it is loaded, by the all-gather GEMM).
 
 Legend: M rows, N columns, K contraction of one tile GEMM.
 """

@@ -15,9 +15,10 @@ Groups (rows of the table):
   - `tokamax`: tokamax's grouped GEMM as the MoE path calls it (sharding/tokamax_gemm.ragged_matmul, with
     the plan's kernels for this GPU: Mosaic GPU on sm90; its own VJP);
   - `mosaic_tiles BMxBNxBKxSTAGES`: meshmoe's own Mosaic GPU tiles (pallas_kernels/), one row per tile
-    shape of --mosaic_tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU (its send phase is then a local copy of the rows into the receive buffer,
-    part of what it costs); forward + backward is its custom VJP (the GEMM + return kernel with the
-    transposed weights, and the grouped weight-gradient kernel). Hopper only;
+    shape of --mosaic_tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU (its send
+    phase is then a local copy of the rows into the receive buffer, part of what it costs); forward +
+    backward is its custom VJP (the GEMM + return kernel with the transposed weights, and the grouped
+    weight-gradient kernel). Hopper only;
   - `ragged_dot`: jax.lax.ragged_dot (XLA's own lowering);
   - `dense_loop`: a Python loop over experts of dense matmuls on each expert's rows (static slices);
   - `dense_batched`: one batched einsum [E, M/E, K] x [E, K, N], what balanced routing would cost as a
@@ -41,8 +42,8 @@ to back and waited for once (jax.block_until_ready), so launch overheads overlap
 median sample / inner is the time per call. Forward + backward calls return the output and the input
 and weight gradients (jax.vjp), so nothing is dead code.
 
-FLOPs are useful FLOPs: 2 M K N per grouped GEMM (the FFN: 3 of them, 6 M D F) (not the padding or the dense over-computation of an
-implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the causal half, as
+FLOPs are useful FLOPs: 2 M K N per grouped GEMM, 6 M D F per expert FFN (not the padding or the dense
+over-computation of an implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the causal half, as
 meshmoe.analysis.cost_model.forward_flops counts it), 3 x that forward + backward (the cost model's
 backward = 2 x forward; a flash backward's recomputed scores are not useful FLOPs). % peak is against the
 device's dense bf16 peak (meshmoe.training.metrics.peak_flops_per_device: H100 SXM / H200 989, H100

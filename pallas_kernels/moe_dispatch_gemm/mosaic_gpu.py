@@ -30,8 +30,8 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan
                   num_blocks: int, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, swiglu: str | None = None,
                   transposed: bool = False, interpret=None) -> tuple[jax.Array, ...]:
   """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, a swiglu.MODES mode, weights (gate,
-  up) and the products silu(gate) * up, and for "keep" gate and up; with `transposed`, weights stored [E_l, F_i, D] and multiplied transposed);
-  the plan's tile rows must be tiles.block_m.
+  up) and the products silu(gate) * up, and for "keep" gate and up; with `transposed`, weights stored
+  [E_l, F_i, D] and multiplied transposed); the plan's tile rows must be tiles.block_m.
   `interpret`: the Mosaic GPU interpreter, which has no semaphores: a ring of one device only."""
   p = ring.size(axes)
   s_tiles, r_tiles = plan.send_dst.shape[0], plan.recv_expert.shape[0]

@@ -23,7 +23,8 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan
                   tiles: Tiles, swiglu: str | None = None, transposed: bool = False,
                   interpret=ring.INTERPRET_PARAMS) -> tuple[jax.Array, ...]:
   """(xr_RD, *products), as reference.dispatch_gemm (with `swiglu`, a swiglu.MODES mode, the products
-  silu(gate) * up, and for "keep" gate and up, of weights (gate, up)). weights_i: [E_l, D, F_i], or [E_l, F_i, D] multiplied transposed (`transposed`)."""
+  silu(gate) * up, and for "keep" gate and up, of weights (gate, up)). weights_i: [E_l, D, F_i], or
+  [E_l, F_i, D] multiplied transposed (`transposed`)."""
   r_tiles, tm, d = plan.recv_expert.shape[0], tiles.block_m, xs_SD.shape[1]
   out_shape = [ring.out_type((r_tiles * tm, d), xs_SD.dtype, xs_SD, *weights, axes=axes)]
   out_shape += [ring.out_type((r_tiles * tm, w.shape[1 if transposed else 2]), xs_SD.dtype, xs_SD, *weights,
