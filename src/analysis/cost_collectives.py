@@ -42,6 +42,7 @@ class CollectiveCost:
   # cost_kernels.FUSED_KINDS for communication inside a fused kernel
   group_size: int
   bytes: float  # per device, per training step, all occurrences together
+  axes: tuple[str, ...] = ()  # the mesh axes of its groups (which links it crosses: the planner's timing)
 
 
 class _Layout:
@@ -66,6 +67,14 @@ class _Layout:
   def size(self, axes) -> int:
     return self.plan.axis_size(axes)
 
+  def in_mesh_order(self, axes) -> tuple[str, ...]:
+    return tuple(a for a in self.plan.mesh.axis_names if a in axes)
+
+  @property
+  def expert_axes(self) -> tuple[str, ...]:
+    """The axes of the expert-parallel groups (their product is `ep`)."""
+    return self.plan.expert_layout().expert_axes
+
 
 def _dims(spec) -> list[tuple[str, ...]]:
   return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
@@ -83,12 +92,13 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   costs: list[CollectiveCost] = []
   forward_repeats = 1 if m.remat == "none" else 2  # remat recomputes the forward, collectives included
 
-  def add(op, kind, group, nbytes, forward: bool):
+  def add(op, kind, axes, nbytes, forward: bool):
     count = t.grad_accum_steps * (forward_repeats if forward else 1) * per_layer[op]
+    group = lay.size(axes)
     if group > 1 and nbytes:
       # A fused kernel's bytes are its own accounting of what it moves; a collective's, its result size.
       moved = nbytes if kind in cost_kernels.FUSED_KINDS else moved_bytes(kind, group, nbytes)
-      costs.append(CollectiveCost(op, kind, group, count * moved))
+      costs.append(CollectiveCost(op, kind, group, count * moved, tuple(axes)))
 
   num_moe = m.num_layers - m.num_dense_layers
   per_layer = {"attention": m.num_layers, "dense_mlp": m.num_dense_layers,
@@ -105,9 +115,9 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
     if block.weight_out:
       directions["project_out"] = (residual, m.embed_dim)
     for direction, (nbytes, width) in directions.items():
-      _projection(add, block.name, direction, plan.ops[f"{block.name}.{direction}"], g, nbytes,
+      _projection(add, block.name, direction, plan.ops[f"{block.name}.{direction}"], gather, g, nbytes,
                   cost_kernels.projection_bytes(g, b_local * s_local, width, c))
-    r = lay.size(tuple(a for a in tp_axes if a not in gather))
+    r = tuple(a for a in tp_axes if a not in gather)
     if block.weight_out:
       add(block.name, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
     add(block.name, "all-reduce", r, gathered, False)  # project_in's input gradient over the same axes
@@ -120,23 +130,23 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   return costs
 
 
-def _projection(add, block: str, direction: str, choice, g: int, residual: int, kernel_bytes: float) -> None:
+def _projection(add, block: str, direction: str, choice, axes, g: int, residual: int, kernel_bytes: float) -> None:
   """One direction of a tensor-parallel block, forward and backward (each kernel's or collective's
   transpose is the other direction's: all-gather <-> reduce-scatter)."""
   gathers = direction == "project_in"
   if cost_kernels.in_custom_calls(choice):  # the fused kernel, and its dual as the backward
     first, second = ("fused all-gather", "fused reduce-scatter")[::1 if gathers else -1]
-    add(block, first, g, kernel_bytes, True)
-    add(block, second, g, kernel_bytes, False)
+    add(block, first, axes, kernel_bytes, True)
+    add(block, second, axes, kernel_bytes, False)
   elif choice.implementation == "ring":  # g-1 residual blocks per device, forward and backward
     for forward in (True, False):
       for _ in range(g - 1):
-        add(block, "collective-permute", g, residual, forward)
+        add(block, "collective-permute", axes, residual, forward)
   elif choice.implementation in ("collectives", "fused"):  # "fused" on the kernels' plain-XLA backend
     gathered, scattered = ("all-gather", residual * g), ("reduce-scatter", residual)
     first, second = (gathered, scattered) if gathers else (scattered, gathered)
-    add(block, first[0], g, first[1], True)
-    add(block, second[0], g, second[1], False)
+    add(block, first[0], axes, first[1], True)
+    add(block, second[0], axes, second[1], False)
 
 
 def _attention(lay: _Layout, add, c: int, micro: int) -> None:
@@ -151,18 +161,18 @@ def _attention(lay: _Layout, add, c: int, micro: int) -> None:
   positions = rows * 4
   implementation = lay.plan.ops["attention"].implementation
   if implementation == "allgather":
-    add("attention", "all-gather", n, 2 * kv * n, True)
-    add("attention", "all-gather", n, positions * n, True)
-    add("attention", "reduce-scatter", n, 2 * kv, False)
+    add("attention", "all-gather", seq, 2 * kv * n, True)
+    add("attention", "all-gather", seq, positions * n, True)
+    add("attention", "reduce-scatter", seq, 2 * kv, False)
   elif implementation in ("ring", "zigzag_ring"):
     for _ in range(n - 1):
-      add("attention", "collective-permute", n, 2 * kv + positions, True)
-      add("attention", "collective-permute", n, 2 * kv, False)
+      add("attention", "collective-permute", seq, 2 * kv + positions, True)
+      add("attention", "collective-permute", seq, 2 * kv, False)
   elif implementation == "ulysses":  # q, k, v to head-split and the output back; the backward mirrors them
     for nbytes in (q, kv, kv, q):
-      add("attention", "all-to-all", n, nbytes, True)
-      add("attention", "all-to-all", n, nbytes, False)
-    add("attention", "all-gather", n, positions * n, True)
+      add("attention", "all-to-all", seq, nbytes, True)
+      add("attention", "all-to-all", seq, nbytes, False)
+    add("attention", "all-gather", seq, positions * n, True)
 
 
 def _moe(lay: _Layout, add, c: int, residual: int) -> None:
@@ -172,8 +182,8 @@ def _moe(lay: _Layout, add, c: int, residual: int) -> None:
   tokens = residual * g // (d * c)  # tokens this device routes, after gathering
   k = moe.top_k
   routing = tokens * k * (4 + 4)  # expert ids and combine weights
-  add("moe", "all-gather", g, residual * g + routing, True)
-  add("moe", "reduce-scatter", g, residual + tokens * k * 4, False)
+  add("moe", "all-gather", experts.gather, residual * g + routing, True)
+  add("moe", "reduce-scatter", experts.gather, residual + tokens * k * 4, False)
   choice = lay.plan.ops["moe"]
   ep, local_experts = experts.ep, moe.num_experts // experts.ep
   if cost_kernels.in_custom_calls(choice):
@@ -182,22 +192,21 @@ def _moe(lay: _Layout, add, c: int, residual: int) -> None:
     _moe_kernels_as_collectives(lay, add, c, int(tokens * k), ep, local_experts)
   elif choice.implementation == "all_to_all":
     _exchanges(lay, add, tokens, k, ep, choice)
-  add("moe", "reduce-scatter", g, residual, True)
-  add("moe", "all-gather", g, residual * g, False)
-  r = lay.size(experts.reduce)
-  add("moe", "all-reduce", r, residual, True)
-  add("moe", "all-reduce", r, residual, False)
+  add("moe", "reduce-scatter", experts.gather, residual, True)
+  add("moe", "all-gather", experts.gather, residual * g, False)
+  add("moe", "all-reduce", experts.reduce, residual, True)
+  add("moe", "all-reduce", experts.reduce, residual, False)
 
 
 def _fused_moe(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
   """The Comet kernels: the group sizes all-gathered (each forward; the backward reuses the plan), then
   the dispatch and the return, each also run by the backward's dual kernel, all in the kernels."""
-  add("moe", "all-gather", ep, ep * ep * local_experts * 4, True)
+  add("moe", "all-gather", lay.expert_axes, ep * ep * local_experts * 4, True)
   _, remote_rows = cost_kernels.moe_rows(assignments, ep, local_experts)
   nbytes = remote_rows * lay.config.model.embed_dim * c
   for forward in (True, False):
-    add("moe", "fused all-to-all", ep, nbytes, forward)  # dispatch (backward: the return kernel)
-    add("moe", "fused all-to-all", ep, nbytes, forward)  # return (backward: the dispatch kernel)
+    add("moe", "fused all-to-all", lay.expert_axes, nbytes, forward)  # dispatch (backward: the return kernel)
+    add("moe", "fused all-to-all", lay.expert_axes, nbytes, forward)  # return (backward: the dispatch kernel)
 
 
 def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
@@ -208,12 +217,12 @@ def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep:
   d = lay.config.model.embed_dim
   send_rows, receive_rows = cost_kernels.moe_buffer_rows(assignments, ep, local_experts)
   receive_tiles = receive_rows // cost_kernels.TILE_ROWS
-  add("moe", "all-gather", ep, ep * ep * local_experts * 4, True)
-  add("moe", "all-gather", ep, ep * send_rows * d * c, True)
-  add("moe", "reduce-scatter", ep, send_rows * d * c, False)
-  add("moe", "all-gather", ep, ep * receive_rows * d * c, True)
-  add("moe", "all-gather", ep, ep * receive_tiles * (4 + 4 + 1), True)
-  add("moe", "reduce-scatter", ep, receive_rows * d * c, False)
+  add("moe", "all-gather", lay.expert_axes, ep * ep * local_experts * 4, True)
+  add("moe", "all-gather", lay.expert_axes, ep * send_rows * d * c, True)
+  add("moe", "reduce-scatter", lay.expert_axes, send_rows * d * c, False)
+  add("moe", "all-gather", lay.expert_axes, ep * receive_rows * d * c, True)
+  add("moe", "all-gather", lay.expert_axes, ep * receive_tiles * (4 + 4 + 1), True)
+  add("moe", "reduce-scatter", lay.expert_axes, receive_rows * d * c, False)
 
 
 def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> None:
@@ -230,18 +239,18 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
   # Group sizes first, once per chunk of the pipeline (moe_pipeline.py); the chunks' token buffers add up
   # to the unchunked ones.
   for _ in range(moe_pipeline.num_chunks(int(tokens), choice.chunks)):
-    add("moe", "all-to-all", ep, moe.num_experts * 4, True)
+    add("moe", "all-to-all", lay.expert_axes, moe.num_experts * 4, True)
   dispatch, combine = choice.dispatch_formats, choice.combine_formats
   if choice.exchange == "padded_all_to_all":  # whole [ep, S, D] buffers, each transposed in the backward
     for forward, backward in (dispatch, combine):
-      add("moe", "all-to-all", ep, slots * row(forward), True)
-      add("moe", "all-to-all", ep, slots * row(backward), False)
+      add("moe", "all-to-all", lay.expert_axes, slots * row(forward), True)
+      add("moe", "all-to-all", lay.expert_axes, slots * row(backward), False)
   else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound)
     assignments = tokens * k
-    add("moe", "ragged-all-to-all", ep, slots * row(dispatch[0]), True)  # dispatch: [A] rows in, [ep*S] out
-    add("moe", "ragged-all-to-all", ep, assignments * row(combine[0]), True)  # return: straight into [A] rows
-    add("moe", "ragged-all-to-all", ep, slots * row(combine[1]), False)  # the return's transpose: [ep*S] out
-    add("moe", "ragged-all-to-all", ep, assignments * row(dispatch[1]), False)  # the dispatch's: [A] out
+    add("moe", "ragged-all-to-all", lay.expert_axes, slots * row(dispatch[0]), True)  # dispatch: [A] rows in, [ep*S] out
+    add("moe", "ragged-all-to-all", lay.expert_axes, assignments * row(combine[0]), True)  # return: straight into [A] rows
+    add("moe", "ragged-all-to-all", lay.expert_axes, slots * row(combine[1]), False)  # the return's transpose: [ep*S] out
+    add("moe", "ragged-all-to-all", lay.expert_axes, assignments * row(dispatch[1]), False)  # the dispatch's: [A] out
 
 
 def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
@@ -268,7 +277,7 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   # Devices that differ only along axes the tokens are not split over (megascale's `tensor`) compute the
   # same gradient: the sum runs over the token axes that do not also split the weight.
   token_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
-  totals: dict[tuple[str, int], float] = collections.defaultdict(float)
+  totals: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
   compression = lay.plan.gradient_compression
   for names, elements, layers, itemsize, in_op in weights:
     if not elements or not layers:
@@ -280,16 +289,18 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
     if compression != "none" and "exp" in names:
       # One compressed sum per micro-batch of every MoE layer's gradient of each of the 3 weights, after the
       # layer loop (gradient_sync.py; LayerStack), whatever the layer schedule.
-      replicas = lay.size(tuple(summed))
+      replica_axes = lay.in_mesh_order(summed)
+      replicas = lay.size(replica_axes)
       summed = set()
       for kind, nbytes in gradient_sync.result_bytes(num_moe * elements // 3 // shards, compression, replicas,
                                                        lay.plan.hardware.platform).items():
-        totals[kind, replicas] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
+        totals[kind, replica_axes] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
     group = lay.size(tuple(summed))
-    totals["all-reduce", group] += repeats * moved_bytes("all-reduce", group, elements * itemsize / shards)
-  for (kind, group), nbytes in totals.items():
-    if group > 1:
-      costs.append(CollectiveCost("gradients", kind, group, nbytes))
+    totals["all-reduce", lay.in_mesh_order(summed)] += repeats * moved_bytes("all-reduce", group,
+                                                                            elements * itemsize / shards)
+  for (kind, axes), nbytes in totals.items():
+    if lay.size(axes) > 1:
+      costs.append(CollectiveCost("gradients", kind, lay.size(axes), nbytes, axes))
 
 
 def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:
@@ -322,22 +333,25 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
       (("embed", None), num_moe * d * moe.num_experts, 4, 1),
       (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 4, 1),
   ]
-  used_total = update_total = 0.0
+  totals: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
   for names, elements, itemsize, gathers in weights:
     if not elements:
       continue
-    stored = lay.size(tuple(a for dim in lay.stored(*names) for a in dim))
+    stored = lay.in_mesh_order({a for dim in lay.stored(*names) for a in dim})
     # Inside the parallel ops a weight keeps its model-parallel split (experts, heads) and loses `embed`;
     # outside them (embedding, router) GSPMD gathers it whole.
-    used = lay.size(tuple(a for dim in lay.weight(*names) for a in dim)) if names[0] != "vocab" else 1
-    if stored > used:
-      used_total += gathers * t.grad_accum_steps * moved_bytes("all-gather", stored // used, elements * itemsize / used)
-    updated = lay.size(tuple(a for dim in lay.updated(*names) for a in dim))
-    if updated > stored:
-      update_total += moved_bytes("all-gather", updated // stored, elements * 4 / stored)
-  for op, nbytes in (("weights", used_total), ("zero1_update", update_total)):
-    if nbytes:
-      costs.append(CollectiveCost(op, "all-gather", 0, nbytes))
+    used = lay.in_mesh_order({a for dim in lay.weight(*names) for a in dim} if names[0] != "vocab" else ())
+    gathered = tuple(a for a in stored if a not in used)
+    if gathered:
+      totals["weights", gathered] += gathers * t.grad_accum_steps * moved_bytes(
+          "all-gather", lay.size(gathered), elements * itemsize / lay.size(used))
+    updated = lay.in_mesh_order({a for dim in lay.updated(*names) for a in dim})
+    after_update = tuple(a for a in updated if a not in stored)
+    if after_update:
+      totals["zero1_update", after_update] += moved_bytes("all-gather", lay.size(after_update),
+                                                          elements * 4 / lay.size(stored))
+  for (op, axes), nbytes in totals.items():
+    costs.append(CollectiveCost(op, "all-gather", lay.size(axes), nbytes, axes))
 
 
 def _embedding_lookup(lay: _Layout, costs: list[CollectiveCost], micro: int, batch_axes, seq_axes) -> None:
@@ -346,11 +360,12 @@ def _embedding_lookup(lay: _Layout, costs: list[CollectiveCost], micro: int, bat
   m, t = lay.config.model, lay.config.train
   table_axes = lay.stored("vocab", "embed")[1]
   token_axes = set(batch_axes) | set(seq_axes)
-  g = lay.size(tuple(a for a in table_axes if a in token_axes))
+  axes = tuple(a for a in table_axes if a in token_axes)
+  g = lay.size(axes)
   tokens = micro * t.seq_len / lay.size(tuple(token_axes))
   if g > 1:
     nbytes = 2 * t.grad_accum_steps * moved_bytes("all-to-all", g, tokens * m.embed_dim * 4)
-    costs.append(CollectiveCost("embedding", "all-to-all", g, nbytes))
+    costs.append(CollectiveCost("embedding", "all-to-all", g, nbytes, axes))
 
 
 def bytes_by_kind(costs: list[CollectiveCost]) -> dict[str, float]:

@@ -52,11 +52,7 @@ class MemoryCost:
 
 
 def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
-  abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
-  params = nnx.state(abstract, nnx.Param)
-  shapes = jax.tree.leaves(jax.tree.map(lambda v: v.get_value().shape, params, is_leaf=_is_variable),
-                           is_leaf=lambda x: isinstance(x, tuple))
-  names = jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
+  shapes, names = _parameters(config.model)
 
   def placed_bytes(spec_of) -> float:
     return sum(4 * math.prod(shape) / _shards(plan, spec_of(n)) for shape, n in zip(shapes, names))
@@ -73,6 +69,24 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
   if plan.gradient_feedback:  # gradient_sync.py's error-feedback residual, float32, beside the optimizer state
     optimizer += 4 * experts
   return MemoryCost(params=param_bytes, gradients=gradients, optimizer=optimizer, activations=activations)
+
+
+def _parameters(model) -> tuple[list[tuple[int, ...]], list[tuple[str | None, ...]]]:
+  """Every parameter's shape and logical axis names: an abstract model traced once per model config (the
+  planner asks for thousands of layouts of one), keyed by its repr (configs are mutable, so unhashable)."""
+  key = repr(model)
+  if key not in _PARAMETERS:
+    abstract = nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    shapes = jax.tree.leaves(jax.tree.map(lambda v: v.get_value().shape, params, is_leaf=_is_variable),
+                             is_leaf=lambda x: isinstance(x, tuple))
+    if len(_PARAMETERS) > 16:
+      _PARAMETERS.clear()
+    _PARAMETERS[key] = shapes, jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
+  return _PARAMETERS[key]
+
+
+_PARAMETERS: dict[str, tuple[list, list]] = {}
 
 
 def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:
