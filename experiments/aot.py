@@ -4,10 +4,11 @@
       --out=mixtral.json [--config.mesh.preset=megascale --config.parallel.impl=xla ...]
   python -m experiments.aot --target=cpu --devices=8 --out=tiny.json      # the local (simulated) devices
 
-Prints the cost model's figures beside the compiled program's (matmul FLOPs, peak memory, bytes per
-collective kind and how much of it overlaps compute) and whether the step fits in device memory; writes
-the JSON report (meshmoe.analysis.aot) to --out. Needs the `deviceless` extra for GPU targets (the CUDA PJRT
-plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it does not.
+--target is a GPU kind, h100 (the default), h200, a100 or b200 (meshmoe.analysis.gpus; XLA's spec of each
+in src/analysis/gpu_specs/), or cpu. Prints the cost model's figures beside the compiled program's (matmul
+FLOPs, peak memory, bytes per collective kind and how much of it overlaps compute) and whether the step fits
+in device memory; writes the JSON report (meshmoe.analysis.aot) to --out. Needs the `deviceless` extra for GPU
+targets (the CUDA PJRT plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it does not.
 """
 
 import json
@@ -17,8 +18,9 @@ import sys
 from absl import app, flags
 
 from experiments import cli
+from meshmoe.analysis import gpus  # plain data: importing it starts no JAX (JAX_PLATFORMS is set in main)
 
-_TARGET = flags.DEFINE_enum("target", "h100", ["h100", "cpu"], "what to compile for")
+_TARGET = flags.DEFINE_enum("target", "h100", [*gpus.GPUS, "cpu"], "what to compile for: a GPU kind or cpu")
 _DEVICES = flags.DEFINE_integer("devices", 8, "number of devices (GPUs, or simulated CPU devices)", lower_bound=1)
 _HOSTS = flags.DEFINE_integer("hosts", 1, "hosts the GPUs are spread over (devices per host = devices / hosts)",
                               lower_bound=1)

@@ -20,20 +20,20 @@ ran, and why where it fell back).
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from typing import Any
 
 import jax
 
-from meshmoe.analysis import (cost_collectives, cost_kernels, cost_model, deviceless, hlo_collectives, hlo_flops,
-                              hlo_module)
+from meshmoe.analysis import (cost_collectives, cost_kernels, cost_model, deviceless, gpus, hlo_collectives,
+                              hlo_flops, hlo_module)
 from meshmoe.config import MESH_AXES, Config
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.training import train_step
 
-TARGETS = {"h100": "h100_sxm", "cpu": None}
+# What --target names: each GPU kind (its XLA spec file stem) and the local CPU devices.
+TARGETS = {**{name: gpus.gpu(name).target for name in gpus.GPUS}, "cpu": None}
 _REMAT_RECOMPUTE = {"none": 1.0, "dots": 1.0, "full": 4.0 / 3.0}  # forward again: 4 passes instead of 3
 
 
@@ -49,10 +49,9 @@ class Report:
 
 def device_memory_bytes(target: str) -> float | None:
   """Memory of one device of a GPU target, from its XLA spec (None for the CPU)."""
-  spec_name = TARGETS[target]
-  if spec_name is None:
+  if TARGETS[target] is None:
     return None
-  return float(re.search(r"device_memory_size:\s*(\d+)", deviceless.gpu_spec(spec_name))[1])
+  return gpus.gpu(target).memory_bytes
 
 
 def target_mesh(config: Config, target: str, num_devices: int, num_hosts: int) -> jax.sharding.Mesh:

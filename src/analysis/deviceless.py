@@ -18,7 +18,9 @@ import importlib.resources
 import jax
 from jax.experimental import topologies
 
-TARGETS = ("h100_sxm",)
+from meshmoe.analysis import gpus
+
+TARGETS = tuple(gpus.gpu(name).target for name in gpus.GPUS)  # spec file stems, gpus.py's GPUs in its order
 # XLA flags a deviceless compile needs. Large sorts (the MoE dispatch sorts 10^5+ assignments) become
 # CUB radix sorts on GPUs, whose scratch size XLA asks the CUDA runtime for: without a GPU the compile
 # fails ("Error loading CUDA libraries"), so deviceless compiles keep XLA's own sort.
@@ -38,7 +40,8 @@ def compile_for_analysis(lowered):
 
 
 def gpu_spec(target: str) -> str:
-  """XLA's target spec of one GPU kind (text proto): what the deviceless compiler and the AOT report read."""
+  """XLA's target spec of one GPU kind (text proto): what the deviceless compiler reads, and where gpus.py reads
+  the memory size and bandwidth the AOT report and the planner use."""
   return importlib.resources.files("meshmoe.analysis.gpu_specs").joinpath(f"{target}.txtpb").read_text()
 
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from meshmoe.analysis import gpus
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 _RESERVED = ("step", "kind")
@@ -269,14 +271,16 @@ def expert_load_imbalance(load_LE: Any) -> list[float]:
 # Dense BF16 tensor-core peak per device, from NVIDIA's datasheets; the datasheets quote the sparse
 # (2:4 structured sparsity) figure, which is twice these, so each is half the quoted number. Matched on
 # lowercase substrings of `jax.Device.device_kind`, first match wins (PCIe/NVL before the SXM default).
+# The SXM rows are the GPU kinds the planner and the AOT report know: their figures are read from
+# meshmoe.analysis.gpus (gpu_specs/hardware.toml, with the datasheets they come from), so each lives once.
 _PEAK_BF16_FLOPS = (
     (("h100", "pcie"), 756e12),  # H100 datasheet: PCIe BF16 1,513 TFLOPS sparse
     (("h100", "nvl"), 835e12),  # H100 datasheet: NVL BF16 1,671 TFLOPS sparse
-    (("h100",), 989e12),  # H100 datasheet: SXM BF16 1,979 TFLOPS sparse
+    (("h100",), gpus.gpu("h100").dense_bf16_flops),  # SXM
     (("h200", "nvl"), 835e12),  # H200 datasheet: NVL BF16 1,671 TFLOPS sparse
-    (("h200",), 989e12),  # H200 datasheet: SXM BF16 1,979 TFLOPS sparse (GH200's GPU alike)
-    (("a100",), 312e12),  # A100 datasheet: BF16 312 TFLOPS dense (624 sparse), SXM and PCIe alike
-    (("b200",), 2.25e15),  # DGX/HGX B200 datasheet: FP16/BF16 4.5 PFLOPS sparse per GPU
+    (("h200",), gpus.gpu("h200").dense_bf16_flops),  # SXM (GH200's GPU alike)
+    (("a100",), gpus.gpu("a100").dense_bf16_flops),  # SXM and PCIe alike (A100 datasheet)
+    (("b200",), gpus.gpu("b200").dense_bf16_flops),
 )
 
 
