@@ -49,7 +49,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshmoe.config import EXCHANGE_FORMAT_FIELDS, MESH_AXES, Config, ConfigError, ParallelConfig
+from meshmoe.config import (EXCHANGE_FORMAT_FIELDS, MESH_AXES, Config, ConfigError, ParallelConfig,
+                            check_weight_storage)
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
@@ -223,6 +224,7 @@ class ParallelPlan:
   hardware: Hardware
   grouped_gemm: str  # resolved for the model's dtype where it matters: see `expert_ffn`
   gemm_block_rows: int
+  weight_storage: str = "preset"  # `mesh.weight_storage`, applied to `rules` (rules.with_storage)
   ops: dict[str, OpChoice] = dataclasses.field(default_factory=dict)  # predicted from the config's shapes
 
   @classmethod
@@ -230,17 +232,20 @@ class ParallelPlan:
     """The plan of a run of `config` on `mesh`. Raises ConfigError when the preset splits a dimension
     over mesh axes whose product does not divide it."""
     rules.check_divisibility(config, axis_sizes(mesh))
-    plan = cls.for_mesh(mesh, config.mesh.preset, config.parallel)
+    plan = cls.for_mesh(mesh, config.mesh.preset, config.parallel, config.mesh.weight_storage)
     return dataclasses.replace(plan, ops=_predict(plan, config))
 
   @classmethod
-  def for_mesh(cls, mesh: Mesh, preset: str, parallel: ParallelConfig | None = None) -> ParallelPlan:
+  def for_mesh(cls, mesh: Mesh, preset: str, parallel: ParallelConfig | None = None,
+               weight_storage: str = "preset") -> ParallelPlan:
     """A plan without a model config: for calling parallel ops directly (tests, notebooks). Nothing is
     checked against model shapes and `ops` is empty; the ops decide with the shapes they trace."""
     parallel = (parallel or ParallelConfig()).validate()
+    placement = rules.with_storage(rules.get_preset(preset), weight_storage)
+    check_weight_storage(weight_storage, parallel)
     hardware = Hardware.of(mesh.devices.flat[0])
-    return cls(mesh, preset, rules.get_preset(preset), parallel, hardware,
-               grouped_gemm(parallel.grouped_gemm, hardware), parallel.gemm_block_rows)
+    return cls(mesh, preset, placement, parallel, hardware, grouped_gemm(parallel.grouped_gemm, hardware),
+               parallel.gemm_block_rows, weight_storage)
 
   @property
   def tier(self) -> Tier:
@@ -475,7 +480,8 @@ class ParallelPlan:
 
   def to_json(self) -> dict[str, Any]:
     return {
-        "preset": self.preset, "mesh": dict(self.mesh.shape), "hardware": dataclasses.asdict(self.hardware),
+        "preset": self.preset, "weight_storage": self.weight_storage, "mesh": dict(self.mesh.shape),
+        "hardware": dataclasses.asdict(self.hardware),
         "parallel": dataclasses.asdict(self.parallel), "grouped_gemm": self.grouped_gemm,
         "ops": {name: {k: v for k, v in dataclasses.asdict(choice).items() if v not in ("", 0, None)}
                 for name, choice in self.ops.items()},
@@ -484,7 +490,8 @@ class ParallelPlan:
   def table(self) -> str:
     """A short table of the plan: one line per op, then the fallbacks with their reasons."""
     mesh = " ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
-    lines = [f"parallel plan: preset {self.preset}, tier {self.parallel.impl}, mesh {mesh} of "
+    storage = f" (weights stored split over {self._storage_axes()})" if self.weight_storage != "preset" else ""
+    lines = [f"parallel plan: preset {self.preset}{storage}, tier {self.parallel.impl}, mesh {mesh} of "
              f"{self.mesh.size} {self.hardware.describe()} device(s)"]
     chosen = {name: choice.implementation + (f" ({choice.kernel_backend})" if choice.kernel_backend else "")
               for name, choice in self.ops.items()}
@@ -495,6 +502,10 @@ class ParallelPlan:
       if choice.fallback:
         lines.append(f"  {name}: not the {self.parallel.impl} tier's first choice: {choice.fallback}")
     return "\n".join(lines)
+
+  def _storage_axes(self) -> str:
+    """What `weight_storage` adds, in words: "data" or "every axis"."""
+    return "every axis" if self.weight_storage == "all" else " x ".join(rules.STORAGE_AXES[self.weight_storage])
 
   def write_json(self, path) -> None:
     with open(path, "w") as f:

@@ -21,6 +21,18 @@ Presets (see sharding/PLACEMENT.md for the placement of every tensor):
              `sequence`; batch over `data` and `expert`.
 - megascale: MegaScale-MoE: attention sequence-parallel over the `expert` and `sequence` devices, the MoE
              FFN expert-parallel over `expert` (expert width over `tensor`), batch over `data`.
+
+Weight storage (`mesh.weight_storage`, `with_storage`): on top of any preset, every weight's `embed`
+dimension (and so its gradient's and its Adam moments') can also be split for storage over `data`
+("data": expert-data parallelism, the experts' storage split over `expert` and `data`) or over every axis
+(ALL_AXES, "all": ZeRO-3/FSDP on top of the preset). The axes are appended to what the preset already has
+for `embed`, and by the precedence above a tensor's `embed` then gets exactly the axes its higher-priority
+dimensions leave it: the experts [E, D, F] of `ep` under "all" are D over (data, tensor, sequence), the
+router [D, E] D over all four. The parallel ops take weights with `embed` whole (ParallelPlan.weight_spec),
+so XLA all-gathers each layer's weights where the layer uses them and sums their gradients into each
+device's slice (a reduce-scatter where it forms one): the `fsdp` preset's mechanism, which "all" applied
+to `dp` reproduces. The optimizer rules get the same
+axes, so the optimizer state is never less split than the parameters.
 """
 
 from __future__ import annotations
@@ -99,6 +111,28 @@ def get_preset(name: str) -> Preset:
   return PRESETS[name]
 
 
+# `mesh.weight_storage` -> the mesh axes it adds to every weight's `embed` dimension (module docstring).
+STORAGE_AXES: dict[str, tuple[str, ...]] = {"preset": (), "data": ("data",), "all": ALL_AXES}
+
+
+def with_storage(preset: Preset, weight_storage: str) -> Preset:
+  """`preset` with its parameters (and optimizer state) stored as `weight_storage` says: the storage axes
+  appended to the `embed` rule of the parameter rules, and of the optimizer rules where the preset has its
+  own (ZeRO-1's already split `embed` over every axis: appending keeps it at least as split as the
+  parameters)."""
+  if weight_storage not in STORAGE_AXES:
+    raise ConfigError("mesh.weight_storage", weight_storage, "one of " + ", ".join(map(repr, STORAGE_AXES)))
+  extra = STORAGE_AXES[weight_storage]
+  if not extra:
+    return preset
+
+  def split(table: Rules) -> Rules:
+    return {**table, "embed": tuple(dict.fromkeys((*table.get("embed", ()), *extra)))}
+
+  return dataclasses.replace(preset, params=split(preset.params),
+                             optimizer=None if preset.optimizer is None else split(preset.optimizer))
+
+
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
   """Turns one tensor's logical dimension names into a PartitionSpec over mesh axes."""
   unknown = [name for name in logical_axes if name is not None and name not in PRIORITY]
@@ -155,20 +189,26 @@ _DESCRIPTION = {
 
 
 def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
-  """Raises ConfigError when a preset splits a dimension over mesh axes whose product does not divide it.
+  """Raises ConfigError when a preset (with its weight storage) splits a dimension over mesh axes whose
+  product does not divide it.
 
-  Dimensions set by one field directly are checked before derived ones (the shared experts' width), so
-  the error names the field to change.
+  A dimension is checked against the product of all the axes its rule lists, except the weights' `embed`:
+  a tensor's higher-priority dimensions may take some of its axes (the experts' `expert` under
+  weight_storage "all"), so it is checked against the axes it really gets in each weight of the model
+  (`embed_layouts`). Dimensions set by one field directly are checked before derived ones (the shared
+  experts' width), so the error names the field to change.
   """
-  preset = get_preset(config.mesh.preset)
+  preset = with_storage(get_preset(config.mesh.preset), config.mesh.weight_storage)
   sizes = _dimension_sizes(config)
   problems = []
   for rules in (preset.params, preset.activations, preset.optimizer_rules()):
-    for name, axes in rules.items():
-      parts = math.prod(mesh_sizes[a] for a in axes)
-      for field, value, size in sizes.get(name, []):
-        if size % parts:
-          problems.append((size != value, name, axes, parts, field, value, size))
+    for name, rule_axes in rules.items():
+      splits = _embed_splits(config, rules, mesh_sizes) if name == "embed" else [rule_axes]
+      for axes in splits:
+        parts = math.prod(mesh_sizes[a] for a in axes)
+        for field, value, size in sizes.get(name, []):
+          if size % parts:
+            problems.append((size != value, name, axes, parts, field, value, size))
   problems += _context_parallel_problems(config, preset, mesh_sizes)
   if not problems:
     return
@@ -177,7 +217,38 @@ def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
   need = (f"a multiple of {parts}" if size == value else
           f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
   what = _DESCRIPTION.get(name) or _DESCRIPTION.get(name.removeprefix("act_"), name)
-  raise ConfigError(field, value, f"{need}: preset {config.mesh.preset!r} splits {what} over mesh axes {split}")
+  storage = config.mesh.weight_storage
+  who = f"preset {config.mesh.preset!r}" + (f" with mesh.weight_storage={storage!r}" if storage != "preset" else "")
+  raise ConfigError(field, value, f"{need}: {who} splits {what} over mesh axes {split}")
+
+
+def embed_layouts(config: Config) -> list[tuple[str | None, ...]]:
+  """The logical names of every weight of the model that has an `embed` dimension, less the stacked
+  `layers` one (models/: layers.py, attention.py, mla.py, moe.py, router.py, decoder.py;
+  tests/test_config.py checks this list against the model's parameters)."""
+  m = config.model
+  layouts: list[tuple[str | None, ...]] = [("vocab", "embed")]
+  if not m.tie_embeddings:
+    layouts.append(("embed", "vocab"))
+  if m.attention == "mla":
+    layouts += [("embed", "q_lora") if m.q_lora_rank else ("embed", "heads", "head_dim"), ("embed", "kv_lora")]
+  else:
+    layouts += [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")]
+  layouts.append(("heads", "head_dim", "embed"))
+  num_moe = m.num_layers - m.num_dense_layers
+  if m.num_dense_layers or (num_moe and m.moe.num_shared_experts):
+    layouts += [("embed", "mlp"), ("mlp", "embed")]
+  if num_moe:
+    layouts += [("exp", "embed", "exp_mlp"), ("exp", "exp_mlp", "embed"), ("embed", None)]
+  return layouts
+
+
+def _embed_splits(config: Config, rules: Rules, mesh_sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
+  """The distinct axes the model's weights' `embed` dimensions get under `rules`, the most devices first
+  (so an error names the largest split that does not divide)."""
+  splits = {logical_to_spec(layout, rules)[layout.index("embed")] for layout in embed_layouts(config)}
+  axes = [() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in splits]
+  return sorted(axes, key=lambda a: (-math.prod(mesh_sizes[x] for x in a), a))
 
 
 def _context_parallel_problems(config: Config, preset: Preset, mesh_sizes: Mapping[str, int]) -> list:

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshmoe.config import CheckpointConfig
+from meshmoe.config import CheckpointConfig, MeshConfig
+from meshmoe.training import train_step
 from meshmoe.training.checkpointing import Checkpointer, CheckpointError, fingerprints
+from tests.model_steps import plan_for
+from tests.test_model_sharded import small_config
 
 
 def _state(value: float, spec=PartitionSpec("x")) -> dict:
@@ -113,3 +116,28 @@ def test_unusable_folder_names_never_clash(saved, tmp_path):
   moved = sorted(p.name for p in (tmp_path / "checkpoints_unusable").iterdir())
   assert moved[0] == "3" and moved[1].startswith("3.") and len(moved) == 2
   assert pathlib.Path(tmp_path / "checkpoints_unusable" / moved[1] / "state").is_dir()
+
+
+@pytest.mark.parametrize("restore_as", ["data", "preset", "all"])
+def test_a_run_with_weights_stored_over_data_saves_and_restores(tmp_path, restore_as):
+  """A train state whose weights and moments are stored split over `data` (mesh.weight_storage="data")
+  restores bit for bit, into the same storage or, resharded, into another one (a run may change it when it
+  resumes)."""
+  states = {}
+  for name, storage, seed in (("saved", "data", 0), ("target", restore_as, 1)):
+    config = small_config()
+    config.mesh = MeshConfig(data=2, expert=2, sequence=2, preset="megascale", weight_storage=storage)
+    config.train.seed = seed  # the target starts from other values: what it holds after restoring was read
+    states[name] = train_step.create(config, plan_for(config))[1]
+  checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+  checkpointer.save(1, states["saved"], {"next_index": 1})
+  checkpointer.wait()
+  restored = checkpointer.restore(1, states["target"])
+  checkpointer.close()
+  gate = restored.state.params["moe_layers"]["layer"]["ffn"]["gate_EDF"][...]
+  assert gate.sharding.spec[2] == ("data" if restore_as == "data" else None if restore_as == "preset"
+                                   else ("data", "sequence"))
+  for saved, got, target in zip(*(jax.tree.leaves(s) for s in (states["saved"], restored.state, states["target"])),
+                                strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(saved))
+    assert got.sharding == target.sharding

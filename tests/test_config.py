@@ -11,12 +11,15 @@ import math
 import pytest
 
 import jax
+from flax import nnx
 
 from meshmoe import config as config_lib
 from meshmoe.config import Config, ConfigError, MeshConfig, resolve_mesh_sizes
+from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import rules
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.shardings import logical_axes_of
 
 INF, NAN = float("inf"), float("nan")
 ALL_PRESETS = "one of 'dp', 'fsdp', 'zero1', 'ep', 'tp_sp', 'megascale'"
@@ -145,6 +148,8 @@ def test_non_negative_loss_weights(field, value):
     ("parallel.grouped_gemm", "dense", "one of 'auto', 'blocked', 'tokamax', 'ragged_dot'"),
     ("mesh.preset", "pp", ALL_PRESETS),
     ("mesh.preset", "", ALL_PRESETS),
+    ("mesh.weight_storage", "zero3", "one of 'preset', 'data', 'all'"),
+    ("mesh.weight_storage", None, "one of 'preset', 'data', 'all'"),
     ("parallel.impl", "triton", "one of 'reference', 'xla', 'pallas'"),
     ("parallel.kernel_backend", "mosaic_gpu", "one of 'auto', 'collectives'"),
     ("parallel.kernel_backend", "reference", "one of 'auto', 'collectives'"),
@@ -220,6 +225,10 @@ def _case(fields, field, value, allowed):
     ]],
     ({"data.source": "tokenized", "data.paths": "/x", "data.eval_paths": "/e"}, "data.eval_paths", "/e",
      "empty for data.source='tokenized' (each dataset folder holds its own eval split)"),
+    *[({"mesh.weight_storage": storage, "parallel.gradient_compression": "int8"}, "parallel.gradient_compression",
+       "int8", f"'none' with mesh.weight_storage={storage!r}: the compressed sum runs over replicas that each hold "
+       "whole expert weights, and split storage reduce-scatters their gradient instead (or "
+       "mesh.weight_storage='preset')") for storage in ("data", "all")],
 ]])
 def test_cross_field_checks(fields, field, value, allowed):
   expect_error(make(**fields), field, value, allowed)
@@ -295,6 +304,7 @@ def test_resolve_mesh_sizes_validates_the_axes():
 
 def test_config_and_rules_agree_on_presets():
   assert config_lib.PRESETS == tuple(rules.PRESETS)
+  assert config_lib.WEIGHT_STORAGES == tuple(rules.STORAGE_AXES)
   assert config_lib.MESH_AXES == rules.ALL_AXES
 
 
@@ -409,6 +419,14 @@ def _split(preset: str, dim: str, axes: str) -> str:
         "model.embed_dim", 12,
         "a multiple of 8: " + _split("zero1", "embed", "data=8 x expert=1 x tensor=1 x sequence=1"),
         id="zero1-embed"),
+    pytest.param(  # weight storage over `data` splits every weight's model dimension over data
+        {"model.embed_dim": 12}, MeshConfig(data=8, preset="ep", weight_storage="data"),
+        "model.embed_dim", 12, "a multiple of 8: preset 'ep' with mesh.weight_storage='data' splits the model "
+        "dimension over mesh axes data=8", id="ep-storage-data-embed"),
+    pytest.param(  # "all": the router [D, E] has no other split dimension, so its D takes every axis
+        {"model.embed_dim": 20}, MeshConfig(data=2, expert=2, tensor=2, preset="tp_sp", weight_storage="all"),
+        "model.embed_dim", 20, "a multiple of 8: preset 'tp_sp' with mesh.weight_storage='all' splits the model "
+        "dimension over mesh axes data=2 x expert=2 x tensor=2 x sequence=1", id="tp_sp-storage-all-embed"),
 ])
 def test_sharding_divisibility(fields, mesh, field, value, allowed):
   cfg = make(mesh=mesh, **fields)
@@ -422,6 +440,33 @@ def test_presets_without_tensor_parallelism_do_not_split_heads_or_vocab(preset):
   cfg = make(mesh=MeshConfig(preset=preset), **{"model.num_heads": 6, "model.num_kv_heads": 3,
                                                 "model.vocab_size": 250})
   validate(cfg, 8)
+
+
+def test_weight_storage_checks_each_weight_s_model_dimension_against_the_axes_it_gets():
+  """Under tp_sp every weight of a dense model has a dimension split over `tensor` (vocabulary, heads, MLP
+  width), so weight_storage="all" splits their model dimension over data x expert x sequence only: 12
+  divides by those 4 devices though not by all 8, and the layout is valid."""
+  fields = {"model.num_dense_layers": 2, "model.embed_dim": 12, "model.num_heads": 4, "model.num_kv_heads": 2}
+  validate(make(mesh=MeshConfig(data=2, expert=2, tensor=2, preset="tp_sp", weight_storage="all"), **fields), 8)
+  expect_error(make(mesh=MeshConfig(data=2, expert=2, tensor=2, preset="tp_sp", weight_storage="all"),
+                    **{**fields, "model.embed_dim": 10}), "model.embed_dim", 10,
+               "a multiple of 4: preset 'tp_sp' with mesh.weight_storage='all' splits the model dimension over "
+               "mesh axes data=2 x expert=2 x sequence=1", num_devices=8)
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"model.tie_embeddings": False, "model.num_dense_layers": 1}, {"model.num_dense_layers": 2},
+    {"model.moe.num_shared_experts": 1}, {"model.attention": "mla", "model.num_kv_heads": 4},
+    {"model.attention": "mla", "model.num_kv_heads": 4, "model.q_lora_rank": 16, "model.num_dense_layers": 1},
+], ids=repr)
+def test_embed_layouts_are_the_model_s_weights_with_a_model_dimension(fields):
+  """rules.embed_layouts (what the divisibility check reads) lists exactly the model's weights that have an
+  `embed` dimension."""
+  cfg = make(**fields).validate()
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+  layouts = jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
+  model = {tuple(name for name in layout if name != "layers") for layout in layouts if "embed" in layout}
+  assert set(rules.embed_layouts(cfg)) == model
 
 
 def test_divisibility_is_checked_when_the_plan_is_built():

@@ -77,7 +77,8 @@ NON_NEGATIVE_FLOATS = ["model.yarn_mscale", "model.yarn_mscale_all_dim", "model.
                        "sample.temperature"]
 CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
            "model.moe.score_fn": config_lib.SCORE_FNS, "parallel.grouped_gemm": config_lib.GROUPED_GEMMS,
-           "mesh.preset": config_lib.PRESETS, "parallel.impl": config_lib.IMPLS,
+           "mesh.preset": config_lib.PRESETS, "mesh.weight_storage": config_lib.WEIGHT_STORAGES,
+           "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
            "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS, "parallel.layer_schedule": config_lib.LAYER_SCHEDULES,

@@ -123,6 +123,33 @@ def test_cost_model_matches_compiled_step_with_compressed_gradients(sizes, prese
   _check_against_compiled_step(config.validate(8))
 
 
+# Weights stored split over `data` or over every axis the preset leaves them on (mesh.weight_storage): each
+# layer's weights all-gathered where the ops use them (again in the backward under remat), gradients summed
+# and sliced to their storage. Where the embedding table's model dimension is split over other axes than
+# the batch alone, GSPMD gathers the table for the lookup instead of looking it up split and all-to-all-ing
+# the result, which cost_collectives._embedding_lookup still counts (the all-to-all check fails by those
+# bytes): expected failures until it models that.
+_EMBEDDING_LOOKUP = pytest.mark.xfail(strict=True, reason=(
+    "cost_collectives._embedding_lookup counts an all-to-all of the looked-up tokens where GSPMD all-gathers "
+    "the table instead (its embed axes are not the batch's)"))
+STORAGE = [  # (data, expert, tensor, sequence), preset, weight storage, remat, tier
+    pytest.param((2, 4, 1, 1), "ep", "all", "full", "reference"),
+    pytest.param((4, 2, 1, 1), "tp_sp", "all", "full", "xla"),
+    pytest.param((2, 2, 1, 2), "megascale", "data", "none", "reference", marks=_EMBEDDING_LOOKUP),
+    pytest.param((2, 2, 2, 1), "tp_sp", "all", "none", "reference", marks=_EMBEDDING_LOOKUP),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,storage,remat,impl", STORAGE,
+                         ids=[f"{p.values[1]}-{'x'.join(map(str, p.values[0]))}-{p.values[2]}-{p.values[3]}-"
+                              f"{p.values[4]}" for p in STORAGE])
+def test_cost_model_matches_compiled_step_with_weight_storage(sizes, preset, storage, remat, impl):
+  config = _config(sizes, preset, "allgather", remat, impl)
+  config.mesh.weight_storage = storage
+  _check_against_compiled_step(config.validate(8))
+
+
 ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]
 
 
@@ -176,6 +203,24 @@ def test_parameter_memory_is_exact():
   moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if np.ndim(leaf) > 0]
   assert memory.optimizer == bytes_on_device(moments)
   assert memory.optimizer < 2 * memory.params  # split over the 8 devices
+
+
+@pytest.mark.parametrize("sizes,preset,storage", [((2, 2, 1, 2), "megascale", "data"), ((2, 2, 2, 1), "tp_sp", "all")])
+def test_parameter_memory_is_exact_with_weight_storage(sizes, preset, storage):
+  """Under mesh.weight_storage the modelled parameter and optimizer bytes per device are what the arrays hold."""
+  config = _config(sizes, preset, "allgather", "none")
+  config.mesh.weight_storage = storage
+  plan = plan_for(config.validate(8))
+  _, state = train_step.create(config, plan)
+  device = jax.devices()[0]
+
+  def bytes_on_device(tree):
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
+               if shard.device == device)
+
+  memory = cost_model.step_cost(config, plan).memory
+  assert memory.params == bytes_on_device(state.params)
+  assert memory.optimizer == bytes_on_device([leaf for leaf in jax.tree.leaves(state.opt_state) if np.ndim(leaf) > 0])
 
 
 def test_useful_flops_do_not_depend_on_the_layout():

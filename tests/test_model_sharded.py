@@ -61,11 +61,13 @@ def _single_device(variant: str, config: Config) -> tuple[float, dict]:
 
 
 def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: str = "allgather",
-                  heads: tuple[int, int] = (4, 2), parallel: ParallelConfig | None = None):
+                  heads: tuple[int, int] = (4, 2), parallel: ParallelConfig | None = None,
+                  weight_storage: str = "preset"):
   ref_loss, ref_grads = _single_device(variant, small_config(heads, **moe_overrides))
   config = small_config(heads, **moe_overrides)
   data, expert, tensor, sequence = sizes
-  config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset)
+  config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset,
+                           weight_storage=weight_storage)
   config.parallel = parallel or ParallelConfig(attention=attention)
   loss, grads = _loss_and_grads(config, jax.devices())
   assert_close(loss, ref_loss, FP32_MODEL_RTOL, "loss")
@@ -78,6 +80,23 @@ def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: s
 @pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
 def test_dropless_model_matches_single_device(sizes, preset):
   _check_layout("dropless", {}, sizes, preset)
+
+
+# Weights stored split over `data` ("data") or over every axis the preset leaves them on ("all"; rules.py
+# with_storage), gathered per layer where the ops use them. (mesh sizes, preset, weight storage, tier)
+STORAGE_LAYOUTS = [((2, 2, 1, 2), "megascale", "data", "reference"), ((2, 2, 1, 2), "megascale", "all", "reference"),
+                   ((2, 2, 2, 1), "tp_sp", "data", "reference"), ((2, 2, 2, 1), "tp_sp", "all", "reference"),
+                   ((2, 4, 1, 1), "ep", "all", "reference"), ((4, 2, 1, 1), "zero1", "data", "reference"),
+                   ((2, 2, 1, 2), "megascale", "data", "xla"), ((2, 2, 2, 1), "tp_sp", "all", "pallas"),
+                   ((2, 4, 1, 1), "ep", "data", "pallas")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,storage,impl", STORAGE_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{w}-{i}" for s, p, w, i in STORAGE_LAYOUTS])
+def test_weight_storage_matches_single_device(sizes, preset, storage, impl):
+  _check_layout("dropless", {}, sizes, preset, weight_storage=storage,
+                parallel=ParallelConfig(impl=impl, kernel_backend="collectives"))
 
 
 # Context-parallel attention kinds other than the default all-gather, on layouts that split the sequence.

@@ -263,3 +263,35 @@ def test_the_layer_schedule_is_in_the_plan_and_odd_rows_are_one_config_error():
       r"parallel.layer_schedule='two_halves' is invalid: .* each device has 3 \(train.global_batch_size=24 / "
       r"train.grad_accum_steps=1 / 8 batch shards\): use an even number per device, or 'sequential'")):
     ParallelPlan.build(config, make_mesh(config.mesh))
+
+
+def test_weight_storage_is_in_the_plan_and_its_layouts():
+  """mesh.weight_storage changes where weights are stored, not how the ops use them: the same weight_spec
+  and expert layout, param_spec and optimizer_spec split further; the table and plan.json say which."""
+  config = _config("megascale")
+  preset = ParallelPlan.build(config, make_mesh(config.mesh))
+  config.mesh.weight_storage = "data"
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  experts = ("layers", "exp", "embed", "exp_mlp")
+  assert plan.param_spec(experts) == plan.optimizer_spec(experts) == \
+      jax.sharding.PartitionSpec(None, "expert", "data", "tensor")
+  assert plan.weight_spec(experts) == preset.weight_spec(experts)
+  assert plan.expert_layout() == preset.expert_layout() and plan.ops == preset.ops
+  assert json.loads(json.dumps(plan.to_json()))["weight_storage"] == "data"
+  assert preset.to_json()["weight_storage"] == "preset"
+  assert plan.table().splitlines()[0].startswith(
+      "parallel plan: preset megascale (weights stored split over data), tier reference")
+  assert preset.table().splitlines()[0].startswith("parallel plan: preset megascale, tier reference")
+  direct = ParallelPlan.for_mesh(make_mesh(config.mesh), "megascale", weight_storage="all")
+  assert direct.param_spec(experts) == jax.sharding.PartitionSpec(None, "expert", ("data", "sequence"), "tensor")
+  assert "split over every axis" in direct.table()
+
+
+def test_split_weight_storage_rules_out_compressed_gradients():
+  mesh = make_mesh(MeshConfig(data=2, expert=4, preset="ep"))
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"config.parallel.gradient_compression='int8' is invalid: 'none' with mesh.weight_storage='data': the "
+      r"compressed sum runs over replicas that each hold whole expert weights")):
+    ParallelPlan.for_mesh(mesh, "ep", ParallelConfig(gradient_compression="int8"), weight_storage="data")
+  with pytest.raises(config_lib.ConfigError, match="mesh.weight_storage='zero3' is invalid: one of 'preset', "):
+    ParallelPlan.for_mesh(mesh, "ep", weight_storage="zero3")

@@ -1,4 +1,5 @@
-"""Golden sharding snapshot: each parameter's PartitionSpec per preset (parameters and optimizer state).
+"""Golden sharding snapshot: each parameter's PartitionSpec per preset (parameters and optimizer state), and
+per preset with each `mesh.weight_storage` other than "preset" ("<preset>/weight_storage=<storage>").
 
 A change to the rules table or to a layer's logical axes shows up here as a diff. If the change is
 intended, regenerate with MESHMOE_UPDATE_GOLDEN=1 and review the JSON diff in the commit.
@@ -30,11 +31,14 @@ def _snapshot() -> dict:
   state = nnx.state(nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0))))
   snapshot = {}
   for name, preset in rules.PRESETS.items():
-    snapshot[name] = {}
-    for kind, table in (("params", preset.params), ("optimizer", preset.optimizer_rules())):
-      specs = partition_specs(state, table)
-      snapshot[name][kind] = {"/".join(map(str, path)): _spec_json(spec)
-                              for path, spec in nnx.to_flat_state(specs)}
+    for storage in rules.STORAGE_AXES:
+      key = name if storage == "preset" else f"{name}/weight_storage={storage}"
+      placed = rules.with_storage(preset, storage)
+      snapshot[key] = {}
+      for kind, table in (("params", placed.params), ("optimizer", placed.optimizer_rules())):
+        specs = partition_specs(state, table)
+        snapshot[key][kind] = {"/".join(map(str, path)): _spec_json(spec)
+                               for path, spec in nnx.to_flat_state(specs)}
   return snapshot
 
 

@@ -183,3 +183,70 @@ def test_zero1_splits_optimizer_moments_but_not_parameters():
   assert mu.sharding.spec[2] == ("data", "expert", "tensor", "sequence")  # the embed dimension
   assert params["moe_layers"]["layer"]["ffn"]["gate_EDF"][...].sharding.is_fully_replicated
   assert opt_state[0].count.sharding.is_fully_replicated
+
+
+def _step_on(config, devices):
+  """One train step of `config` on `devices` from the seed's initial state: its loss and gradient norm, the
+  parameters after it and AdamW's moments, by path."""
+  plan = plan_for(config, devices)
+  trainer, state = train_step.create(config, plan)
+  inputs, targets = synthetic_batch(config, plan, seed=5)
+  batch = {"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)}
+  after, metrics = trainer.train_step(state, batch)
+  moments = {name: _flat(optax.tree_utils.tree_get(after.opt_state, name)) for name in ("mu", "nu")}
+  return {k: float(metrics[k]) for k in ("loss", "grad_norm")}, _flat(after.params), moments
+
+
+# (mesh sizes, preset, weight storage, remat)
+STORAGE_STEPS = [((2, 2, 1, 2), "megascale", "data", "none"), ((2, 2, 2, 1), "tp_sp", "all", "full"),
+                 ((2, 2, 1, 2), "megascale", "all", "full"), ((2, 2, 2, 1), "tp_sp", "data", "none")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,storage,remat", STORAGE_STEPS,
+                         ids=[f"{p}-{w}-remat_{r}" for _, p, w, r in STORAGE_STEPS])
+def test_weight_storage_step_matches_single_device(sizes, preset, storage, remat):
+  """A whole optimizer step with the weights and AdamW moments stored split over `data` (or every axis the
+  preset leaves them on): the loss, the updated parameters and both moments equal one device's step."""
+  results = {}
+  for name, mesh in (("reference", MeshConfig(data=1, preset="dp")),
+                     ("split", MeshConfig(**dict(zip(("data", "expert", "tensor", "sequence"), sizes)), preset=preset,
+                                          weight_storage=storage))):
+    config = small_config()
+    config.mesh, config.model.remat = mesh, remat
+    opt = config.optimizer
+    opt.warmup_steps, opt.eps = 0, 1e-3  # a full-size first step; g / (|g| + eps) well-conditioned near g = 0
+    results[name] = _step_on(config, jax.devices()[:mesh.data * mesh.expert * mesh.tensor * mesh.sequence])
+  (ref_metrics, ref_params, ref_moments), (metrics, params, moments) = results["reference"], results["split"]
+  assert_close(metrics["loss"], ref_metrics["loss"], FP32_MODEL_RTOL, "loss")
+  assert_close(metrics["grad_norm"], ref_metrics["grad_norm"], FP32_MODEL_RTOL, "grad_norm")
+  assert params.keys() == ref_params.keys()
+  for name in ref_params:
+    assert_close(params[name], ref_params[name], FP32_MODEL_RTOL, f"parameter {name}")
+    for moment in ("mu", "nu"):
+      assert_close(moments[moment][name], ref_moments[moment][name], FP32_MODEL_RTOL, f"{moment} of {name}")
+
+
+def test_weight_storage_splits_parameters_and_moments_over_data():
+  """megascale on data=2 x expert=2 x sequence=2 with weight_storage="data": the experts' [layers, E, D, F]
+  weights and their AdamW moments are D over `data`, and every weight with a model dimension takes half
+  the bytes per device it takes as the preset stores it (the norms and biases, which have none, the same)."""
+  stored = {}
+  for storage in ("preset", "data"):
+    config = small_config()
+    config.mesh = MeshConfig(data=2, expert=2, sequence=2, preset="megascale", weight_storage=storage)
+    plan = plan_for(config)
+    _, params, _ = nnx.split(model_state.init_model(config, plan), nnx.Param, ...)
+    opt_state = model_state.init_optimizer_state(optax.adamw(1e-3), params, plan)
+    gate, mu = (tree["moe_layers"]["layer"]["ffn"]["gate_EDF"][...] for tree in (params, opt_state[0].mu))
+    stored[storage] = {"/".join(map(str, path)): (v.get_metadata()["logical_axes"], _bytes_on_device(v[...]))
+                       for path, v in nnx.to_flat_state(params)}
+    if storage == "data":
+      assert gate.sharding.spec[1:3] == ("expert", "data") and mu.sharding.spec[1:3] == ("expert", "data")
+  for name, (logical, nbytes) in stored["preset"].items():
+    assert stored["data"][name][1] * (2 if "embed" in logical else 1) == nbytes, name
+
+
+def _bytes_on_device(array, device=None) -> int:
+  device = device or jax.devices()[0]
+  return sum(shard.data.nbytes for shard in array.addressable_shards if shard.device == device)
