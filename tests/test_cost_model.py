@@ -126,17 +126,12 @@ def test_cost_model_matches_compiled_step_with_compressed_gradients(sizes, prese
 # Weights stored split over `data` or over every axis the preset leaves them on (mesh.weight_storage): each
 # layer's weights all-gathered where the ops use them (again in the backward under remat), gradients summed
 # and sliced to their storage. Where the embedding table's model dimension is split over other axes than
-# the batch alone, GSPMD gathers the table for the lookup instead of looking it up split and all-to-all-ing
-# the result, which cost_collectives._embedding_lookup still counts (the all-to-all check fails by those
-# bytes): expected failures until it models that.
-_EMBEDDING_LOOKUP = pytest.mark.xfail(strict=True, reason=(
-    "cost_collectives._embedding_lookup counts an all-to-all of the looked-up tokens where GSPMD all-gathers "
-    "the table instead (its embed axes are not the batch's)"))
+# the batch's, GSPMD gathers the table for the lookup instead of all-to-all-ing the looked-up tokens.
 STORAGE = [  # (data, expert, tensor, sequence), preset, weight storage, remat, tier
     pytest.param((2, 4, 1, 1), "ep", "all", "full", "reference"),
     pytest.param((4, 2, 1, 1), "tp_sp", "all", "full", "xla"),
-    pytest.param((2, 2, 1, 2), "megascale", "data", "none", "reference", marks=_EMBEDDING_LOOKUP),
-    pytest.param((2, 2, 2, 1), "tp_sp", "all", "none", "reference", marks=_EMBEDDING_LOOKUP),
+    pytest.param((2, 2, 1, 2), "megascale", "data", "none", "reference"),
+    pytest.param((2, 2, 2, 1), "tp_sp", "all", "none", "reference"),
 ]
 
 

@@ -355,10 +355,15 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
 
 
 def _embedding_lookup(lay: _Layout, costs: list[CollectiveCost], micro: int, batch_axes, seq_axes) -> None:
-  """A table split along D (fsdp) is looked up locally, [tokens, D/g], and GSPMD all-to-alls the result
-  to the token split, [tokens/g, D] (float32), and back in the backward pass."""
+  """A table split along D over exactly the batch's axes (fsdp; mesh.weight_storage where it comes to that)
+  with the sequence whole is looked up locally, [tokens, D/g], and GSPMD all-to-alls the result to the
+  token split, [tokens/g, D] (float32), and back in the backward pass. Split otherwise, GSPMD gathers the
+  table for the lookup instead (`_weight_gathers` counts that gather in every case)."""
   m, t = lay.config.model, lay.config.train
   table_axes = lay.stored("vocab", "embed")[1]
+  split = lambda axes: {a for a in axes if lay.size((a,)) > 1}
+  if split(table_axes) != split(batch_axes) or split(seq_axes):
+    return
   token_axes = set(batch_axes) | set(seq_axes)
   axes = tuple(a for a in table_axes if a in token_axes)
   g = lay.size(axes)
