@@ -1,0 +1,106 @@
+"""The planner's output as text (experiments.plan): what it searched, the ranked layouts, the config's own
+layout among them, and predicted beside compiled figures for the layouts it verifies. Every figure from
+planner.py is labelled modelled; compiled ones come from aot.analyze and are printed beside, never mixed."""
+
+from __future__ import annotations
+
+from meshmoe.analysis import planner
+from meshmoe.config import Config, ConfigError
+
+_GB = 1e9
+
+
+def header(found: planner.Search, gpus_per_node: int, efficiency: float) -> str:
+  g = found.gpu
+  invalid = sum(found.invalid.values())
+  reasons = ", ".join(f"{field} {count}" for field, count in found.invalid.most_common(4))
+  return "\n".join([
+      f"{found.num_gpus} x {g.description}, {gpus_per_node} per node: dense bf16 {g.dense_bf16_flops / 1e12:.0f} "
+      f"TFLOP/s at {efficiency:.0%} (stated efficiency), NVLink {g.nvlink_bandwidth / _GB:.0f} GB/s and network "
+      f"{g.network_bandwidth / _GB:.0f} GB/s per GPU per direction; memory {g.memory_bytes / _GB:.1f} GB, planned "
+      f"to {found.capacity_bytes / _GB:.1f} GB",
+      f"searched {found.evaluated} layouts: {invalid} refused by the config validation"
+      + (f" ({reasons})" if reasons else "")
+      + "; of the rest, per (mesh, preset, storage, tier, remat) the fewest micro-batches that fit: "
+      f"{len(found.ranked) + found.equivalent} fit ({found.equivalent} of them predicted the same as a simpler "
+      f"one ranked here), {'some' if found.too_big else 'none'} do not fit with any"]) + "\n"
+
+
+_COLUMNS = (f"{'rank':>4s} {'mesh d.e.t.s':>11s} {'preset':9s} {'storage':7s} {'tier':9s} {'µb':>4s} {'remat':5s}"
+            f" {'memory':>9s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'exposed s':>9s}")
+
+
+def ranked_table(found: planner.Search, top: int) -> str:
+  lines = ["modelled (cost model + step_time; memory per device, step and exposed communication in seconds):",
+           _COLUMNS]
+  for rank, candidate in enumerate(found.ranked[:top], 1):
+    lines.append(_row(rank, candidate, found))
+  return "\n".join(lines)
+
+
+def _row(rank, candidate: planner.Candidate, found: planner.Search) -> str:
+  t = candidate.time
+  return (f"{rank!s:>4s} {candidate.layout.describe()} {candidate.memory_bytes / _GB:6.2f} GB {t.step_s:8.4g} "
+          f"{found.tokens_per_step / t.step_s:10.0f} {t.mfu:6.1%} {t.exposed_comm_s:9.3g}")
+
+
+def own_layout(config: Config, found: planner.Search, gpus_per_node: int | None, efficiency: float) -> str:
+  """Where the config's own layout ranks, and how far the best is from it (modelled)."""
+  try:
+    own = planner.Layout.of(config, found.num_gpus)
+    candidate = planner.evaluate(config, own, found, gpus_per_node, efficiency)
+  except ConfigError as error:
+    return f"\nthe config's own layout is not valid on {found.num_gpus} GPUs: {error}"
+  if not candidate.fits:
+    return (f"\nthe config's own layout ({own.describe().strip()}) does not fit: "
+            f"{candidate.memory_bytes / _GB:.1f} GB modelled, {found.capacity_bytes / _GB:.1f} GB planned")
+  rank = 1 + sum(c.time.step_s < candidate.time.step_s for c in found.ranked)
+  best = found.ranked[0].time.step_s
+  return "\n".join([
+      "", "the config's own layout (modelled):", _COLUMNS, _row(rank, candidate, found),
+      f"ranks {rank} of {len(found.ranked)}: the best layout's step is predicted "
+      f"{1 - best / candidate.time.step_s:.1%} shorter ({best:.4g} s against {candidate.time.step_s:.4g} s)"])
+
+
+def nothing_fits(found: planner.Search, smallest) -> str:
+  """The error when no layout fits: the closest one, and the fewest GPUs where one would."""
+  lines = [f"error: no layout fits {found.num_gpus} x {found.gpu.description} "
+           f"({found.capacity_bytes / _GB:.1f} GB planned per device)."]
+  if found.too_big:
+    closest = found.too_big[0]
+    lines.append(f"The least memory, {closest.memory_bytes / _GB:.1f} GB per device (modelled), is "
+                 f"{closest.layout.describe().strip()}: the parameters, gradients and optimizer state alone "
+                 "need more devices to split over, or the activations of one micro-batch are too big.")
+  if smallest:
+    n, candidate = smallest
+    lines.append(f"The smallest GPU count where a layout fits: {n} ({candidate.layout.overrides()}; "
+                 f"{candidate.memory_bytes / _GB:.1f} GB modelled).")
+  else:
+    lines.append("No GPU count up to 16384 fits it.")
+  return "\n".join(lines)
+
+
+def verified(rank: int, candidate: planner.Candidate, config: Config, found: planner.Search,
+             gpus_per_node: int) -> str:
+  """Compiles the candidate deviceless and prints compiled beside modelled."""
+  report = planner.verify(config, candidate, found, gpus_per_node)
+  memory, flops = report["memory"], report["flops"]
+  modelled_bytes = sum(r["cost_model"] for r in report["collective_bytes_by_kind"].values())
+  compiled_bytes = sum(r["compiled"] for r in report["collective_bytes_by_kind"].values())
+  peak = memory["peak_bytes_per_device"]
+  return "\n".join([
+      f"\nverified #{rank} ({candidate.layout.describe().strip()}), compiled deviceless in "
+      f"{report['compile_seconds']:.0f} s:",
+      "                         predicted (cost model)   compiled (XLA)   compiled / predicted",
+      f"  memory per device      {candidate.memory_bytes / _GB:12.2f} GB  {peak / _GB:12.2f} GB   "
+      f"{peak / candidate.memory_bytes:6.3f}   ({'fits' if memory['fits'] else 'DOES NOT FIT'})",
+      f"  matmul FLOPs (XLA's)   {flops['cost_model_outside_kernels'] / 1e12:12.2f} TF  "
+      f"{flops['compiled'] / 1e12:12.2f} TF   {_ratio(flops['compiled'], flops['cost_model_outside_kernels'])}",
+      f"  collective bytes       {modelled_bytes / _GB:12.2f} GB  {compiled_bytes / _GB:12.2f} GB   "
+      f"{_ratio(compiled_bytes, modelled_bytes)}",
+      f"  kernels' FLOPs {sum(flops['kernels_modelled'].values()) / 1e12:.2f} TF (modelled only: opaque custom calls)"])
+
+
+def _ratio(compiled: float, modelled: float) -> str:
+  return f"{compiled / modelled:6.3f}" if modelled else "     -"
+

@@ -1,0 +1,305 @@
+"""The planner: the best layout for a model on N GPUs, from the cost model, without the GPUs.
+
+A layout is everything a user picks beside the model: the mesh axis sizes, the preset, where weights are
+stored (`mesh.weight_storage`), the tier, the number of micro-batches, remat, and (when allowed) the lossy
+compression options. `search` enumerates the layouts the config validation accepts, builds each one's
+parallel plan on a deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose
+modelled memory does not fit the GPU (less a margin for what the memory model leaves out), predicts the
+step time of the rest (step_time.py) and ranks them fastest first. For each (mesh, preset, storage, tier,
+remat) only the fewest micro-batches that fit is kept: more micro-batches never make the modelled step
+faster (the same FLOPs, and per-micro-batch collectives repeat).
+
+Everything here is modelled. `experiments.plan --verify=K` compiles the top K deviceless and prints the
+compiled figures beside these (experiments/benchmarks/RESULTS.md has the comparison).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Iterator
+
+from absl import logging
+
+from meshmoe.analysis import cost_memory, deviceless, step_time
+from meshmoe.analysis.gpus import GpuSpec
+from meshmoe.config import MESH_AXES, PRESETS, REMAT_POLICIES, Config, ConfigError, MeshConfig, resolve_mesh_sizes
+from meshmoe.sharding.mesh import make_mesh
+from meshmoe.sharding import rules
+from meshmoe.sharding.plan import ParallelPlan
+
+TIERS = ("reference", "xla", "pallas")
+# Presets whose placement ignores the expert, tensor and sequence axes (every device a data replica):
+# one mesh shape each.
+_DATA_PARALLEL_PRESETS = ("dp", "fsdp", "zero1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One choice of everything the planner searches (module docstring)."""
+
+  mesh: tuple[int, int, int, int]  # sizes of MESH_AXES
+  preset: str
+  weight_storage: str
+  impl: str
+  remat: str
+  grad_accum_steps: int
+  gradient_compression: str = "none"
+  exchange_dtype: str = "auto"  # the MoE token exchanges' wire format, both ways and their gradients
+
+  @classmethod
+  def of(cls, config: Config, num_gpus: int) -> Layout:
+    """The layout a config already has (its mesh's -1 axis filled for `num_gpus`)."""
+    sizes = resolve_mesh_sizes(config.validate(num_gpus).mesh, num_gpus)
+    p = config.parallel
+    return cls(tuple(sizes[a] for a in MESH_AXES), config.mesh.preset, config.mesh.weight_storage, p.impl,
+               config.model.remat, config.train.grad_accum_steps, p.gradient_compression, p.moe_dispatch_dtype)
+
+  def apply(self, config: Config) -> Config:
+    """A copy of `config` with this layout."""
+    config = copy.deepcopy(config)
+    config.mesh = MeshConfig(**dict(zip(MESH_AXES, self.mesh)), preset=self.preset,
+                             weight_storage=self.weight_storage)
+    config.parallel.impl = self.impl
+    config.model.remat = self.remat
+    config.train.grad_accum_steps = self.grad_accum_steps
+    config.parallel.gradient_compression = self.gradient_compression
+    for field in ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype"):
+      setattr(config.parallel, field, self.exchange_dtype)
+    return config
+
+  def overrides(self) -> str:
+    """The --config overrides that select this layout."""
+    flags = [f"--config.mesh.{axis}={size}" for axis, size in zip(MESH_AXES, self.mesh)]
+    flags += [f"--config.mesh.preset={self.preset}", f"--config.mesh.weight_storage={self.weight_storage}",
+              f"--config.parallel.impl={self.impl}", f"--config.model.remat={self.remat}",
+              f"--config.train.grad_accum_steps={self.grad_accum_steps}"]
+    if self.gradient_compression != "none":
+      flags.append(f"--config.parallel.gradient_compression={self.gradient_compression}")
+    if self.exchange_dtype != "auto":
+      flags += [f"--config.parallel.{f}={self.exchange_dtype}"
+                for f in ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype")]
+    return " ".join(flags)
+
+  def describe(self) -> str:
+    mesh = "x".join(map(str, self.mesh))
+    extra = "".join(f" {v}" for v in (self.gradient_compression, self.exchange_dtype) if v not in ("none", "auto"))
+    return (f"{mesh:>11s} {self.preset:9s} {self.weight_storage:7s} {self.impl:9s} {self.grad_accum_steps:4d} "
+            f"{self.remat:5s}{extra}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A layout with its modelled memory and, where it fits, its predicted step."""
+
+  layout: Layout
+  memory_bytes: float  # the cost model's peak per device
+  fits: bool
+  time: step_time.StepTime | None = None
+
+
+@dataclasses.dataclass
+class Search:
+  """What `search` found: the fitting candidates fastest first, and what it rejected."""
+
+  gpu: GpuSpec
+  num_gpus: int
+  capacity_bytes: float  # device memory less the margin
+  tokens_per_step: int
+  ranked: list[Candidate]
+  invalid: collections.Counter  # reason -> layouts the config validation refused
+  too_big: list[Candidate]  # the fewest-bytes layouts that did not fit (for the error message)
+  evaluated: int
+  equivalent: int = 0  # fitting layouts left out as indistinguishable from a ranked one
+
+
+def mesh_shapes(config: Config, num_gpus: int, gpus_per_node: int, preset: str) -> Iterator[tuple[int, ...]]:
+  """Mesh sizes (MESH_AXES order) worth trying for `preset`: `tensor` within a node (its collectives are
+  in every layer), `expert` dividing the experts, and no axis a preset leaves unused (it would only
+  repeat another shape's placement)."""
+  if preset in _DATA_PARALLEL_PRESETS:
+    yield (num_gpus, 1, 1, 1)
+    return
+  divisors = [d for d in range(1, num_gpus + 1) if num_gpus % d == 0]
+  experts = config.model.moe.num_experts
+  for expert, tensor, sequence in itertools.product(divisors, divisors, divisors):
+    if num_gpus % (expert * tensor * sequence) or experts % expert or gpus_per_node % tensor:
+      continue
+    if preset == "ep" and (tensor > 1 or sequence > 1 or expert == 1):
+      continue
+    yield (num_gpus // (expert * tensor * sequence), expert, tensor, sequence)
+
+
+def layouts(config: Config, num_gpus: int, gpus_per_node: int, allow_compression: bool = False,
+            presets=PRESETS, tiers=TIERS, remats=REMAT_POLICIES) -> Iterator[tuple[Layout, ...]]:
+  """Groups of layouts that differ only in their micro-batches, fewest first (`search` keeps the first
+  that fits)."""
+  batch = config.train.global_batch_size
+  accums = [a for a in range(1, batch + 1) if batch % a == 0]
+  for preset in presets:
+    for mesh in mesh_shapes(config, num_gpus, gpus_per_node, preset):
+      for storage in _storages(preset, mesh):
+        for impl, remat, (compression, exchange) in itertools.product(
+            tiers, remats, _compressions(config, allow_compression)):
+          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange) for a in accums)
+
+
+def _storages(preset: str, mesh: tuple[int, ...]) -> list[str]:
+  """The weight storages that place weights differently from each other on this mesh."""
+  if preset in _DATA_PARALLEL_PRESETS:  # dp with weights split everywhere is fsdp: one storage each
+    return ["preset"]
+  storages = ["preset"]
+  if mesh[0] > 1:
+    storages.append("data")
+  if math.prod(mesh[1:]) > 1:
+    storages.append("all")
+  return storages
+
+
+def _compressions(config: Config, allowed: bool) -> list[tuple[str, str]]:
+  """(gradient compression, exchange format) pairs: exact only, unless lossy options are allowed."""
+  if not allowed or config.model.num_layers == config.model.num_dense_layers:
+    return [("none", "auto")]
+  return [("none", "auto"), ("int8", "auto"), ("none", "float8_e4m3fn"), ("int8", "float8_e4m3fn")]
+
+
+def search(config: Config, num_gpus: int, gpu: GpuSpec, gpus_per_node: int | None = None,
+           efficiency: float = 0.5, memory_margin: float = 0.05, allow_compression: bool = False,
+           stop_at_first_fit: bool = False, **choices) -> Search:
+  """Every layout of `config` on `num_gpus` GPUs, ranked by predicted step time (module docstring).
+  `choices` narrows the search (presets=, tiers=, remats=); `stop_at_first_fit` only asks whether any fits."""
+  gpus_per_node = gpus_per_node or gpu.gpus_per_node
+  devices = gpu_devices(gpu, num_gpus, gpus_per_node)
+  capacity = gpu.memory_bytes * (1 - memory_margin)
+  ranked, too_big, invalid, evaluated = [], [], collections.Counter(), 0
+  with _quiet_fallbacks():  # the plans of a tier whose kernels cannot run say so once each; the table shows it
+    for group in layouts(config, num_gpus, gpus_per_node, allow_compression, **choices):
+      evaluated += len(group)
+      candidate = _fewest_micro_batches(config, group, devices, capacity, gpu, efficiency, invalid)
+      if candidate is None:
+        continue
+      (ranked if candidate.fits else too_big).append(candidate)
+      if stop_at_first_fit and candidate.fits:
+        break
+  ranked.sort(key=lambda c: c.time.step_s)  # stable: of equal predictions the first enumerated stays first
+  too_big.sort(key=lambda c: c.memory_bytes)
+  distinct = _distinct(ranked)
+  return Search(gpu, num_gpus, capacity, config.train.global_batch_size * config.train.seq_len, distinct, invalid,
+                too_big[:5], evaluated, len(ranked) - len(distinct))
+
+
+def _fewest_micro_batches(config, group, devices, capacity, gpu, efficiency, invalid) -> Candidate | None:
+  """Of layouts that differ only in micro-batches (fewest first), the first that fits with its predicted
+  step; else the one with the most (the least memory) as not fitting; None when the config refuses all.
+  Plans are built only for the micro-batch counts the bisection probes (a refused one counts as not
+  fitting), after the counts that cannot split the batch over the mesh are dropped."""
+  split = math.prod(dict(zip(MESH_AXES, group[0].mesh))[a]
+                    for a in rules.get_preset(group[0].preset).activations.get("act_batch", ()))
+  batch = config.train.global_batch_size
+  splittable = [layout for layout in group if batch // layout.grad_accum_steps % split == 0]
+  invalid["train.global_batch_size"] += len(group) - len(splittable)
+  group = splittable
+  if not group:
+    return None
+
+  @functools.cache
+  def judged(i: int):  # (memory, config, plan), or None where the config validation refuses it
+    try:
+      layout_config = group[i].apply(config)
+      plan = build_plan(layout_config, devices)
+    except ConfigError as error:
+      invalid[error.field] += 1
+      return None
+    return cost_memory.memory_per_device(layout_config, plan).total, layout_config, plan
+
+  fits = lambda i: judged(i) is not None and judged(i)[0] <= capacity
+  last = len(group) - 1
+  if not fits(last):  # not even with the most micro-batches
+    return None if judged(last) is None else Candidate(group[last], judged(last)[0], False)
+  low, high = 0, last  # memory falls as micro-batches grow: the fewest that fit, by bisection
+  while low < high:
+    middle = (low + high) // 2
+    low, high = (low, middle) if fits(middle) else (middle + 1, high)
+  memory, layout_config, plan = judged(high)
+  return Candidate(group[high], memory, True, step_time.predict(layout_config, plan, gpu, efficiency))
+
+
+@contextlib.contextmanager
+def _quiet_fallbacks():
+  level = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def _distinct(ranked: list[Candidate]) -> list[Candidate]:
+  """The candidates less those the model cannot tell from an earlier one: the same mesh, micro-batches and
+  remat with the same memory and step time (e.g. a tier whose choices all fall back to another's, or two
+  presets that place everything alike on this mesh). The simplest, enumerated first, stays."""
+  seen, distinct = set(), []
+  for c in ranked:
+    key = (c.layout.mesh, c.layout.grad_accum_steps, c.layout.remat, round(c.memory_bytes / 1e6),
+           round(c.time.step_s * 1e6))
+    if key not in seen:
+      seen.add(key)
+      distinct.append(c)
+  return distinct
+
+
+def gpu_devices(gpu: GpuSpec, num_gpus: int, gpus_per_node: int):
+  """Deviceless devices of `gpu`, `gpus_per_node` to a host (a node)."""
+  hosts = max(1, num_gpus // gpus_per_node)
+  if num_gpus % hosts:
+    raise ValueError(f"{num_gpus} GPUs do not fill nodes of {gpus_per_node}")
+  return deviceless.gpu_devices(num_gpus, gpu.target, hosts)
+
+
+def build_plan(config: Config, devices) -> ParallelPlan:
+  """The parallel plan a run of `config` would build on `devices`; ConfigError where the layout is invalid."""
+  config.validate(len(devices))
+  return ParallelPlan.build(config, make_mesh(config.mesh, devices))
+
+
+def evaluate(config: Config, layout: Layout, found: Search, gpus_per_node: int | None = None,
+             efficiency: float = 0.5) -> Candidate:
+  """One given layout judged as `search` judged its candidates (ConfigError where it is invalid)."""
+  layout_config = layout.apply(config)
+  plan = build_plan(layout_config, gpu_devices(found.gpu, found.num_gpus, gpus_per_node or found.gpu.gpus_per_node))
+  memory = cost_memory.memory_per_device(layout_config, plan).total
+  if memory > found.capacity_bytes:
+    return Candidate(layout, memory, False)
+  return Candidate(layout, memory, True, step_time.predict(layout_config, plan, found.gpu, efficiency))
+
+
+def verify(config: Config, candidate: Candidate, found: Search, gpus_per_node: int | None = None) -> dict:
+  """The AOT report (aot.analyze: compiled deviceless) of a candidate's layout."""
+  from meshmoe.analysis import aot  # imports the training step: only when compiling
+
+  per_node = gpus_per_node or found.gpu.gpus_per_node
+  report = aot.analyze(candidate.layout.apply(config), found.gpu.name, found.num_gpus,
+                       max(1, found.num_gpus // per_node))
+  return report.data
+
+
+def smallest_fitting(config: Config, num_gpus: int, gpu: GpuSpec, gpus_per_node: int | None = None,
+                     largest: int = 1 << 14, **options) -> tuple[int, Candidate] | None:
+  """The fewest GPUs more than `num_gpus` on which some layout fits, and that layout (None when none does up to
+  `largest`): whole nodes, or a divisor of one. Doubles first, then tries the counts between the last two."""
+  node = gpus_per_node or gpu.gpus_per_node
+  fits = lambda n: search(config, n, gpu, gpus_per_node, stop_at_first_fit=True, **options).ranked
+  low, high = num_gpus, num_gpus * 2
+  while not (found := fits(high)):
+    low, high = high, high * 2
+    if high > largest:
+      return None
+  for n in range(low + 1, high):  # more layouts exist at 2^k GPUs; try the counts between too
+    if (n % node == 0 if n >= node else node % n == 0) and (between := fits(n)):
+      return n, between[0]
+  return high, found[0]

@@ -1,0 +1,111 @@
+"""Cost model, time part: a training step's predicted time on a GPU cluster, from the FLOPs and collective
+bytes of the cost model (cost_model.step_cost) and the GPU's spec (gpus.py). Modelled, never measured.
+
+- Compute: the FLOPs one device executes (`executed_flops_per_device`: forward, backward, remat, padding)
+  at `efficiency` times the GPU's dense bf16 peak. One efficiency for every GEMM: the planner states it.
+- Communication: each collective's bytes per device (cost_collectives.py) over the links its groups cross.
+  A group's members inside this device's node are reached over NVLink, the others over the network (one
+  NIC per GPU); the bytes split in that proportion and the slower of the two parts sets the time (a ring
+  or all-to-all over both moves them at once).
+- Overlap: a collective is hidden behind compute when the tier runs it beside independent work, and
+  exposed otherwise (`hidden_fraction`): the fused kernels' traffic (inside their GEMMs), the xla tier's
+  ring projections and zigzag ring attention (each transfer beside a block), the chunked MoE pipeline's
+  exchanges ((c-1)/c of them: the first chunk's dispatch waits), the two-halves layer schedule's exchanges
+  (beside the other half), and, under XLA's overlap flags, gradient reductions (beside the backward of
+  the next layer) and FSDP weight gathers (prefetched a layer ahead). The rest is exposed: the reference
+  tier's collectives, gathered attention, the expert-width gathers, ZeRO-1's parameter gather after the
+  update and the embedding's all-to-all.
+  step = max(compute, hidden communication) + exposed communication.
+Not modelled: elementwise work (norms, softmax, SwiGLU), kernel launch and collective latency, network
+congestion and imbalanced routing; so the step times rank layouts rather than promise a wall clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from meshmoe.analysis import cost_kernels, cost_model
+from meshmoe.analysis.cost_collectives import CollectiveCost
+from meshmoe.analysis.gpus import GpuSpec
+from meshmoe.config import Config
+from meshmoe.sharding.plan import ParallelPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """Predicted seconds of one training step (modelled) and what sets them."""
+
+  compute_s: float
+  hidden_comm_s: float  # communication the tier runs beside compute
+  exposed_comm_s: float  # communication nothing hides
+  model_flops: float  # useful FLOPs of the step, all devices (cost_model.train_step_flops)
+  num_devices: int
+  peak_flops: float  # dense bf16 peak of one device
+
+  @property
+  def step_s(self) -> float:
+    return max(self.compute_s, self.hidden_comm_s) + self.exposed_comm_s
+
+  @property
+  def mfu(self) -> float:
+    return self.model_flops / (self.step_s * self.num_devices * self.peak_flops)
+
+
+def predict(config: Config, plan: ParallelPlan, gpu: GpuSpec, efficiency: float, cost=None) -> StepTime:
+  """The step time of `config` run as `plan` says on `gpu`s, GEMMs at `efficiency` of the dense peak.
+  `cost`: the cost model's figures if already computed (cost_model.step_cost)."""
+  cost = cost or cost_model.step_cost(config, plan)
+  hidden = exposed = 0.0
+  for collective in cost.collectives:
+    seconds = transfer_seconds(plan, collective, gpu)
+    share = hidden_fraction(plan, collective)
+    hidden += share * seconds
+    exposed += (1 - share) * seconds
+  compute = cost.executed_flops_per_device.total / (efficiency * gpu.dense_bf16_flops)
+  return StepTime(compute, hidden, exposed, cost.model_flops, plan.mesh.size, gpu.dense_bf16_flops)
+
+
+def transfer_seconds(plan: ParallelPlan, collective: CollectiveCost, gpu: GpuSpec) -> float:
+  """Seconds one device spends moving a collective's bytes: the part for peers in its node over NVLink,
+  the rest over the network, at the same time."""
+  group = collective.group_size
+  if group <= 1:
+    return 0.0
+  local = peers_in_node(plan, collective.axes)
+  remote_share = (group - local) / (group - 1)
+  return max(collective.bytes * (1 - remote_share) / gpu.nvlink_bandwidth,
+             collective.bytes * remote_share / gpu.network_bandwidth)
+
+
+def peers_in_node(plan: ParallelPlan, axes: tuple[str, ...]) -> int:
+  """How many members of a group over `axes` (the first device's group) share its host (node): the mesh's
+  own device placement (sharding/mesh.py) decides it, hosts being the devices' process indices."""
+  grid = plan.mesh.devices
+  index = tuple(slice(None) if name in axes else 0 for name in plan.mesh.axis_names)
+  members = np.asarray(grid[index]).ravel()
+  return sum(d.process_index == members[0].process_index for d in members)
+
+
+def hidden_fraction(plan: ParallelPlan, collective: CollectiveCost) -> float:
+  """The share of a collective's time the plan runs beside independent compute (module docstring)."""
+  if collective.kind in cost_kernels.FUSED_KINDS:
+    return 1.0
+  overlapping_flags = plan.parallel.xla_flags != "none"
+  if collective.op == "gradients" or collective.op == "weights":
+    return 1.0 if overlapping_flags else 0.0
+  if collective.op == "attention":
+    return 1.0 if plan.ops["attention"].implementation == "zigzag_ring" else 0.0
+  if collective.op == "moe":
+    if collective.kind not in ("all-to-all", "ragged-all-to-all"):
+      return 0.0
+    if plan.two_halves:
+      return 1.0
+    chunks = getattr(plan.ops["moe"], "chunks", 1)
+    return (chunks - 1) / chunks
+  if f"{collective.op}.project_in" in plan.ops:  # a tensor-parallel block: its ring passes hide
+    rings = [plan.ops.get(f"{collective.op}.{d}") for d in ("project_in", "project_out")]
+    ring = any(r is not None and r.implementation == "ring" for r in rings)
+    return 1.0 if ring and collective.kind == "collective-permute" else 0.0
+  return 0.0

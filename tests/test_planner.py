@@ -1,0 +1,179 @@
+"""The planner (meshmoe.analysis.planner, step_time, experiments.plan): enumeration, rejection, ranking and
+the step-time model, on deviceless H100 meshes (no compile but in the --verify test)."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshmoe.analysis import cost_memory, cost_model, gpus, planner, step_time
+from meshmoe.analysis.cost_collectives import CollectiveCost
+from meshmoe.config import MESH_AXES, Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = gpus.gpu("h100")
+
+
+def _model() -> Config:
+  """A small MoE (8 experts) whose layouts differ in memory at 8 and 16 GPUs."""
+  return Config(model=ModelConfig(vocab_size=512, embed_dim=256, num_layers=2, num_heads=8, num_kv_heads=4,
+                                  head_dim=32, mlp_dim=512, max_seq_len=512, dtype="bfloat16",
+                                  moe=MoEConfig(num_experts=8, top_k=2, expert_mlp_dim=256)),
+                train=TrainConfig(global_batch_size=32, seq_len=512))
+
+
+def _search(config, num_gpus, gpu=H100, **options):
+  options.setdefault("tiers", ("reference", "xla"))
+  return planner.search(config, num_gpus, gpu, gpus_per_node=8, **options)
+
+
+def test_mesh_shapes_are_valid_and_complete():
+  config = _model()
+  shapes = set(planner.mesh_shapes(config, 16, 8, "megascale"))
+  assert all(math.prod(s) == 16 and s[2] in (1, 2, 4, 8) and 8 % s[1] == 0 for s in shapes)
+  # every factorisation with tensor inside a node and expert dividing the 8 experts, none missing
+  expected = {(16 // (e * t * s), e, t, s) for e in (1, 2, 4, 8) for t in (1, 2, 4, 8) for s in (1, 2, 4, 8, 16)
+              if 16 % (e * t * s) == 0}
+  assert shapes == expected
+  assert set(planner.mesh_shapes(config, 16, 8, "fsdp")) == {(16, 1, 1, 1)}
+  assert set(planner.mesh_shapes(config, 16, 8, "ep")) == {(8, 2, 1, 1), (4, 4, 1, 1), (2, 8, 1, 1)}
+
+
+def test_search_ranks_fitting_layouts_by_predicted_step_time():
+  found = _search(_model(), 8)
+  assert len(found.ranked) > 10
+  times = [c.time.step_s for c in found.ranked]
+  assert times == sorted(times)
+  assert all(c.fits and c.memory_bytes <= found.capacity_bytes for c in found.ranked)
+  layouts = [c.layout for c in found.ranked]
+  assert len(set(layouts)) == len(layouts)
+  assert sum(found.invalid.values()) > 0  # e.g. 8 heads cannot split 16 ways: refused, not ranked
+
+
+def test_each_candidate_has_the_fewest_micro_batches_that_fit():
+  config = _model()
+  small = dataclasses.replace(H100, memory_bytes=0.1e9)  # a GPU small enough that micro-batches matter
+  found = _search(config, 8, small, remats=("none",))
+  assert found.ranked and found.too_big
+  assert any(c.layout.grad_accum_steps > 1 for c in found.ranked)
+  for candidate in found.ranked:
+    layout = candidate.layout
+    fewer = [a for a in range(1, layout.grad_accum_steps) if config.train.global_batch_size % a == 0]
+    for accum in fewer:
+      try:
+        judged = planner.evaluate(config, dataclasses.replace(layout, grad_accum_steps=accum), found, 8)
+      except Exception:  # the config validation refuses that many (a ConfigError): not a candidate
+        continue
+      assert not judged.fits, (layout, accum)
+
+
+def test_nothing_fits_names_the_smallest_gpu_count_that_does():
+  config = _model()
+  tiny = dataclasses.replace(H100, memory_bytes=0.05e9)
+  options = dict(tiers=("xla",), remats=("full",))
+  found = _search(config, 2, tiny, **options)
+  assert not found.ranked and found.too_big
+  n, candidate = planner.smallest_fitting(config, 2, tiny, gpus_per_node=8, **options)
+  assert n > 2 and candidate.fits and candidate.memory_bytes <= found.capacity_bytes
+  fewer = max(k for k in range(2, n) if (k % 8 == 0 if k >= 8 else 8 % k == 0))  # the count tried before n
+  assert not planner.search(config, fewer, tiny, gpus_per_node=8, stop_at_first_fit=True, **options).ranked
+  # the layout it names does fit there, judged on its own
+  at_n = planner.search(config, n, tiny, gpus_per_node=8, stop_at_first_fit=True, **options)
+  assert planner.evaluate(config, candidate.layout, at_n, 8).fits
+
+
+def _plan(config, layout, num_gpus, per_node=8):
+  layout_config = layout.apply(config)
+  return layout_config, planner.build_plan(layout_config, planner.gpu_devices(H100, num_gpus, per_node))
+
+
+def test_transfer_time_splits_a_group_between_nvlink_and_the_network():
+  layout = planner.Layout((4, 4, 1, 1), "megascale", "preset", "xla", "none", 1)
+  _, plan = _plan(_model(), layout, 16)  # 2 nodes of 8: `expert` (inner) inside a node, `data` across
+  assert step_time.peers_in_node(plan, ("expert",)) == 4
+  assert step_time.peers_in_node(plan, ("data",)) == 2
+  inside = CollectiveCost("moe", "all-to-all", 4, 3e9, ("expert",))
+  assert step_time.transfer_seconds(plan, inside, H100) == pytest.approx(3e9 / H100.nvlink_bandwidth)
+  across = CollectiveCost("gradients", "all-reduce", 4, 3e9, ("data",))
+  # of 3 peers, 1 in this node (NVLink) and 2 in the other (network): the slower part sets the time
+  assert step_time.transfer_seconds(plan, across, H100) == pytest.approx(
+      max(1e9 / H100.nvlink_bandwidth, 2e9 / H100.network_bandwidth))
+
+
+def test_step_time_adds_exposed_communication_to_overlapped_compute():
+  config = _model()
+  for impl, hidden_share in (("reference", 0.0), ("xla", 0.5)):  # xla: 2 pipelined chunks, one hidden
+    layout = planner.Layout((2, 4, 1, 1), "megascale", "preset", impl, "none", 1)
+    layout_config, plan = _plan(config, layout, 8)
+    cost = cost_model.step_cost(layout_config, plan)
+    predicted = step_time.predict(layout_config, plan, H100, 0.5, cost)
+    assert predicted.compute_s == pytest.approx(cost.executed_flops_per_device.total / (0.5 * 989e12))
+    exchanges = [c for c in cost.collectives if c.op == "moe" and c.kind == "all-to-all"]
+    assert exchanges
+    for c in exchanges:
+      assert step_time.hidden_fraction(plan, c) == hidden_share
+    hidden = sum(step_time.hidden_fraction(plan, c) * step_time.transfer_seconds(plan, c, H100)
+                 for c in cost.collectives)
+    total = sum(step_time.transfer_seconds(plan, c, H100) for c in cost.collectives)
+    assert predicted.hidden_comm_s == pytest.approx(hidden)
+    assert predicted.exposed_comm_s == pytest.approx(total - hidden)
+    assert predicted.step_s == pytest.approx(max(predicted.compute_s, hidden) + total - hidden)
+    assert predicted.mfu == pytest.approx(cost.model_flops / (predicted.step_s * 8 * 989e12))
+
+
+def test_fused_kernels_traffic_is_hidden():
+  config = _model()
+  config.parallel = ParallelConfig(impl="pallas")
+  layout = planner.Layout((2, 4, 1, 1), "megascale", "preset", "pallas", "none", 1)
+  layout_config, plan = _plan(config, layout, 8)
+  fused = [c for c in cost_model.step_cost(layout_config, plan).collectives if c.kind.startswith("fused")]
+  assert fused and all(step_time.hidden_fraction(plan, c) == 1.0 for c in fused)
+
+
+def test_weight_storage_over_data_lowers_memory_and_is_searched():
+  config = _model()
+  base = planner.Layout((4, 2, 1, 1), "megascale", "preset", "xla", "full", 1)
+  found = _search(config, 8)
+  judged = {s: planner.evaluate(config, dataclasses.replace(base, weight_storage=s), found, 8)
+            for s in ("preset", "data")}
+  assert judged["data"].memory_bytes < judged["preset"].memory_bytes
+  states = {}
+  for storage in ("preset", "data"):
+    memory = cost_memory.memory_per_device(*_plan(config, dataclasses.replace(base, weight_storage=storage), 8))
+    states[storage] = memory.params + memory.gradients + memory.optimizer
+  # every weight's `embed` split 4 ways more (the norms' scales, which have no `embed`, are not)
+  assert states["data"] == pytest.approx(states["preset"] / 4, rel=0.02)
+  assert {c.layout.weight_storage for c in found.ranked} >= {"preset", "data"}
+
+
+def test_layout_round_trips_through_the_config_and_its_overrides():
+  config = _model()
+  layout = planner.Layout((2, 2, 2, 1), "tp_sp", "all", "xla", "dots", 4, "none", "auto")
+  applied = layout.apply(config)
+  assert planner.Layout.of(applied, 8) == layout
+  assert config.mesh == MeshConfig()  # the input is not changed
+  flags = layout.overrides().split()
+  assert [f"--config.mesh.{a}={s}" for a, s in zip(MESH_AXES, layout.mesh)] == flags[:4]
+  assert "--config.train.grad_accum_steps=4" in flags and "--config.mesh.weight_storage=all" in flags
+
+
+def _plan_cli(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.plan", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600)
+
+
+def test_cli_prints_the_ranked_table_and_the_best_overrides():
+  result = _plan_cli("--config=experiments/configs/tiny_moe.py", "--gpus=8", "--top=3")
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = result.stdout
+  assert "modelled" in out and "ranks" in out and "best: python -m experiments.train" in out
+  assert out.count("\n") > 8
+
+
+def test_cli_rejects_an_unknown_gpu_in_one_line():
+  result = _plan_cli("--config=experiments/configs/tiny_moe.py", "--gpus=8", "--gpu=v100")
+  assert result.returncode != 0
+  assert "error:" in result.stderr and "h100" in result.stderr and "Traceback" not in result.stderr
