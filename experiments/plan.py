@@ -72,7 +72,8 @@ def main(argv):
     best = found.ranked[0].layout
     print(f"\nbest: python -m experiments.train --config={flags.FLAGS['config'].config_filename} {best.overrides()}")
     for rank, candidate in enumerate(found.ranked[:_VERIFY.value], 1):
-      print(plan_report.verified(rank, candidate, config, found, _GPUS_PER_NODE.value or gpu.gpus_per_node))
+      report = planner.verify(config, candidate, found, _GPUS_PER_NODE.value)
+      print(plan_report.verified(rank, candidate, report))
   except (ConfigError, RuntimeError, ValueError) as e:
     sys.exit(f"error: {e}")
 

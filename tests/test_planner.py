@@ -177,3 +177,19 @@ def test_cli_rejects_an_unknown_gpu_in_one_line():
   result = _plan_cli("--config=experiments/configs/tiny_moe.py", "--gpus=8", "--gpu=v100")
   assert result.returncode != 0
   assert "error:" in result.stderr and "h100" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_verify_prints_the_compiled_figures_beside_the_predicted_ones():
+  """--verify compiles the candidate deviceless: its memory is XLA's and the layout is the one compiled."""
+  from meshmoe.analysis import plan_report
+
+  config = _model()
+  found = _search(config, 8, tiers=("xla",), remats=("none",), presets=("ep",))
+  best = found.ranked[0]
+  report = planner.verify(config, best, found, 8)
+  assert report["config"]["mesh"] == dict(zip(MESH_AXES, best.layout.mesh))
+  assert report["config"]["grad_accum_steps"] == best.layout.grad_accum_steps
+  peak = report["memory"]["peak_bytes_per_device"]
+  assert report["memory"]["fits"] and 0.5 < peak / best.memory_bytes < 2  # the model and XLA roughly agree
+  text = plan_report.verified(1, best, report)
+  assert f"{peak / 1e9:12.2f} GB" in text and f"{best.memory_bytes / 1e9:12.2f} GB" in text

@@ -80,10 +80,8 @@ def nothing_fits(found: planner.Search, smallest) -> str:
   return "\n".join(lines)
 
 
-def verified(rank: int, candidate: planner.Candidate, config: Config, found: planner.Search,
-             gpus_per_node: int) -> str:
-  """Compiles the candidate deviceless and prints compiled beside modelled."""
-  report = planner.verify(config, candidate, found, gpus_per_node)
+def verified(rank: int, candidate: planner.Candidate, report: dict) -> str:
+  """A candidate's compiled figures (`report`: planner.verify's) beside its modelled ones."""
   memory, flops = report["memory"], report["flops"]
   modelled_bytes = sum(r["cost_model"] for r in report["collective_bytes_by_kind"].values())
   compiled_bytes = sum(r["compiled"] for r in report["collective_bytes_by_kind"].values())
