@@ -66,7 +66,8 @@ def main(argv):
     print(plan_report.header(found, _GPUS_PER_NODE.value or gpu.gpus_per_node, _EFFICIENCY.value))
     if not found.ranked:
       smallest = planner.smallest_fitting(config, _GPUS.value, gpu, _GPUS_PER_NODE.value, **options)
-      sys.exit(plan_report.nothing_fits(found, smallest))
+      print(plan_report.nothing_fits(found, smallest), file=sys.stderr)
+      sys.exit(3)
     print(plan_report.ranked_table(found, _TOP.value))
     print(plan_report.own_layout(config, found, _GPUS_PER_NODE.value, _EFFICIENCY.value))
     best = found.ranked[0].layout

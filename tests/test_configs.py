@@ -27,7 +27,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "conf
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
 
 # Device count each config is validated for; the full-size configs are meant for 64 GPUs and more.
-NUM_DEVICES = {"tiny_moe": 8, "moe_1b": 8, "maxtext_tiny_moe": 8}
+NUM_DEVICES = {"tiny_moe": 8, "moe_1b": 8, "maxtext_tiny_moe": 8, "deepseek_v3": 256}
 DEFAULT_DEVICES = 64
 
 # Published (total, active) parameters and the relative tolerance of each comparison.
@@ -89,7 +89,8 @@ def test_full_size_config_settings_and_docstring(name):
   assert config.parallel.grouped_gemm == "auto"
   assert not config.model.tie_embeddings
   doc = module.__doc__
-  assert (f"python -m experiments.aot --config=experiments/configs/{name}.py --target=h100 --devices=64"
+  devices = NUM_DEVICES.get(name, DEFAULT_DEVICES)  # the docstring's command compiles for the validated count
+  assert (f"python -m experiments.aot --config=experiments/configs/{name}.py --target=h100 --devices={devices}"
           in doc)
   assert "does not train on CPU" in doc
   counts = cost_model.active_params(config.model)

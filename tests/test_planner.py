@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from meshmoe.analysis import cost_memory, cost_model, gpus, planner, step_time
+from meshmoe.analysis import cost_memory, cost_model, gpus, plan_report, planner, step_time
 from meshmoe.analysis.cost_collectives import CollectiveCost
 from meshmoe.config import MESH_AXES, Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 
@@ -83,6 +83,11 @@ def test_nothing_fits_names_the_smallest_gpu_count_that_does():
   # the layout it names does fit there, judged on its own
   at_n = planner.search(config, n, tiny, gpus_per_node=8, stop_at_first_fit=True, **options)
   assert planner.evaluate(config, candidate.layout, at_n, 8).fits
+  message = plan_report.nothing_fits(found, (n, candidate))
+  closest = found.too_big[0]
+  assert 0 < closest.state_bytes < closest.memory_bytes
+  assert f"The smallest GPU count where a layout fits: {n} " in message
+  assert f"{closest.memory_bytes / 1e9:.1f} GB per device" in message and closest.layout.overrides() in message
 
 
 def _plan(config, layout, num_gpus, per_node=8):
@@ -181,8 +186,6 @@ def test_cli_rejects_an_unknown_gpu_in_one_line():
 
 def test_verify_prints_the_compiled_figures_beside_the_predicted_ones():
   """--verify compiles the candidate deviceless: its memory is XLA's and the layout is the one compiled."""
-  from meshmoe.analysis import plan_report
-
   config = _model()
   found = _search(config, 8, tiers=("xla",), remats=("none",), presets=("ep",))
   best = found.ranked[0]

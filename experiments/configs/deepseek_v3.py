@@ -1,11 +1,14 @@
 """deepseek_v3: a DeepSeek-V3-671B-like model (DeepSeek-AI, arXiv:2412.19437), for compile-only analysis.
 
-  python -m experiments.aot --config=experiments/configs/deepseek_v3.py --target=h100 --devices=64 --out=report.json
+  python -m experiments.aot --config=experiments/configs/deepseek_v3.py --target=h100 --devices=256 --hosts=32 \
+      --out=report.json
+  python -m experiments.plan --config=experiments/configs/deepseek_v3.py --gpus=256
 
 (`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
-communication; tests/test_configs.py validates and shape-checks this file.) This config does not train on CPU
-(2.7 TB of float32 parameters), and at the 64 devices above it does not fit H100s either: read that report for
-FLOPs and collectives; for memory compile it for 512 devices (see "mesh" below).
+communication; `experiments.plan` ranks every layout; tests/test_configs.py validates and shape-checks this
+file.) This config does not train on CPU (2.7 TB of float32 parameters). On 256 H100s its step compiles to
+80.0 GB per device of 84.9 (2026-11-26, deviceless; the cost model says 78.6 GB); 256 is the fewest H100s on
+which any layout fits, by the planner (see "mesh" below).
 
 Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
 blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the same width. Routing: sigmoid
@@ -32,20 +35,23 @@ from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 s
 ExpertBias variables, not parameters, and are not counted.
 
 Choices:
-- mesh: preset "tp_sp" with tensor=8 (within a node), expert=-1 (fills the devices: 8 at 64 devices, 64 at
-  512 like DeepSeek's EP64, at most 256), data=1. Float32 parameter + gradient + two Adam moments are 16
-  bytes per parameter, 10.7 TB in all, more than 64 H100s hold (5.1 TB): about 210 GB per device at 64
-  devices and 68 GB at 512 (an estimate: the routed experts split over expert x tensor, the rest over
-  tensor but MLA's two down-projections, 0.9B, which no preset splits). megascale cannot fit at any
-  device count: it leaves the embeddings, dense layers and shared experts (5.6B parameters, 90 GB of
-  state) unsplit; tp_sp splits them over tensor. DeepSeek
-  itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1, which meshmoe has not.
+- mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`): preset "tp_sp" with
+  tensor=8 (within a node), expert=4, data=-1 (8 at 256 devices), every weight's storage split over every
+  axis (mesh.weight_storage="all", FSDP on top of the preset: each layer's weights all-gathered as the step
+  uses them), the fused kernels (parallel.impl="pallas") and 480 micro-batches of 32 sequences (one per
+  data x expert rank). Float32 parameter + gradient (twice, with the accumulated sum) + two Adam moments
+  are 20 bytes per parameter, 13.4 TB in all: 52 GB per device at 256, split evenly only because the
+  storage is split over every axis. At 128 H100s no layout fits (the least needs 115 GB per device,
+  modelled). The cost is time: every micro-batch gathers the layer's weights again and sums their
+  gradients, which the planner predicts dominate the step (about 2% MFU at its stated 50% GEMM
+  efficiency). DeepSeek itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1;
+  meshmoe has no pipeline axis.
 - remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
   queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer
   beside the 7168-wide input), and the routed expert GEMMs are recomputed under either policy.
 - train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
-  from 3072 over the first 469B tokens, not modelled) in 60 micro-batches of 256, i.e. 4 sequences per
-  expert rank at 512 devices. steps: 14.8T tokens / 62.9M = 235K.
+  from 3072 over the first 469B tokens, not modelled) in 480 micro-batches of 32 (see "mesh"). steps:
+  14.8T tokens / 62.9M = 235K.
 - optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
   warmup steps, down to 2.2e-5 (ratio 0.1). The paper holds the peak until 10T tokens and then decays
   over 4.3T; meshmoe's schedule is warmup + cosine, so it starts decaying at once.
@@ -53,7 +59,7 @@ Choices:
 """
 
 from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig,
-                            TrainConfig)
+                            ParallelConfig, TrainConfig)
 
 
 def get_config() -> Config:
@@ -70,10 +76,11 @@ def get_config() -> Config:
               num_groups=8, top_k_groups=4,
               aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=1, expert=-1, tensor=8, sequence=1, preset="tp_sp"),
+      mesh=MeshConfig(data=-1, expert=4, tensor=8, sequence=1, preset="tp_sp", weight_storage="all"),
+      parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=60,
+      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=480,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )

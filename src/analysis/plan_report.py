@@ -63,18 +63,20 @@ def own_layout(config: Config, found: planner.Search, gpus_per_node: int | None,
 
 
 def nothing_fits(found: planner.Search, smallest) -> str:
-  """The error when no layout fits: the closest one, and the fewest GPUs where one would."""
+  """The error when no layout fits: the closest one and what fills it, and the fewest GPUs where one fits."""
   lines = [f"error: no layout fits {found.num_gpus} x {found.gpu.description} "
            f"({found.capacity_bytes / _GB:.1f} GB planned per device)."]
   if found.too_big:
     closest = found.too_big[0]
-    lines.append(f"The least memory, {closest.memory_bytes / _GB:.1f} GB per device (modelled), is "
-                 f"{closest.layout.describe().strip()}: the parameters, gradients and optimizer state alone "
-                 "need more devices to split over, or the activations of one micro-batch are too big.")
+    activations = closest.memory_bytes - closest.state_bytes
+    lines.append(f"The least memory (modelled) is {closest.memory_bytes / _GB:.1f} GB per device, with "
+                 f"{closest.layout.overrides()}: {closest.state_bytes / _GB:.1f} GB of parameters, gradients and "
+                 f"optimizer state, which more GPUs split further, and {activations / _GB:.1f} GB of activations "
+                 "with its micro-batches.")
   if smallest:
     n, candidate = smallest
-    lines.append(f"The smallest GPU count where a layout fits: {n} ({candidate.layout.overrides()}; "
-                 f"{candidate.memory_bytes / _GB:.1f} GB modelled).")
+    lines.append(f"The smallest GPU count where a layout fits: {n} ({candidate.memory_bytes / _GB:.1f} GB modelled "
+                 f"with {candidate.layout.overrides()}).")
   else:
     lines.append("No GPU count up to 16384 fits it.")
   return "\n".join(lines)

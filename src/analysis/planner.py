@@ -101,6 +101,11 @@ class Candidate:
   memory_bytes: float  # the cost model's peak per device
   fits: bool
   time: step_time.StepTime | None = None
+  state_bytes: float = 0.0  # of memory_bytes: parameters, gradients and optimizer state (more GPUs split them)
+
+  @classmethod
+  def of(cls, layout: Layout, memory: cost_memory.MemoryCost, fits: bool, time=None) -> Candidate:
+    return cls(layout, memory.total, fits, time, memory.params + memory.gradients + memory.optimizer)
 
 
 @dataclasses.dataclass
@@ -208,25 +213,25 @@ def _fewest_micro_batches(config, group, devices, capacity, gpu, efficiency, inv
     return None
 
   @functools.cache
-  def judged(i: int):  # (memory, config, plan), or None where the config validation refuses it
+  def judged(i: int):  # (MemoryCost, config, plan), or None where the config validation refuses it
     try:
       layout_config = group[i].apply(config)
       plan = build_plan(layout_config, devices)
     except ConfigError as error:
       invalid[error.field] += 1
       return None
-    return cost_memory.memory_per_device(layout_config, plan).total, layout_config, plan
+    return cost_memory.memory_per_device(layout_config, plan), layout_config, plan
 
-  fits = lambda i: judged(i) is not None and judged(i)[0] <= capacity
+  fits = lambda i: judged(i) is not None and judged(i)[0].total <= capacity
   last = len(group) - 1
   if not fits(last):  # not even with the most micro-batches
-    return None if judged(last) is None else Candidate(group[last], judged(last)[0], False)
+    return None if judged(last) is None else Candidate.of(group[last], judged(last)[0], False)
   low, high = 0, last  # memory falls as micro-batches grow: the fewest that fit, by bisection
   while low < high:
     middle = (low + high) // 2
     low, high = (low, middle) if fits(middle) else (middle + 1, high)
   memory, layout_config, plan = judged(high)
-  return Candidate(group[high], memory, True, step_time.predict(layout_config, plan, gpu, efficiency))
+  return Candidate.of(group[high], memory, True, step_time.predict(layout_config, plan, gpu, efficiency))
 
 
 @contextlib.contextmanager
@@ -272,10 +277,10 @@ def evaluate(config: Config, layout: Layout, found: Search, gpus_per_node: int |
   """One given layout judged as `search` judged its candidates (ConfigError where it is invalid)."""
   layout_config = layout.apply(config)
   plan = build_plan(layout_config, gpu_devices(found.gpu, found.num_gpus, gpus_per_node or found.gpu.gpus_per_node))
-  memory = cost_memory.memory_per_device(layout_config, plan).total
-  if memory > found.capacity_bytes:
-    return Candidate(layout, memory, False)
-  return Candidate(layout, memory, True, step_time.predict(layout_config, plan, found.gpu, efficiency))
+  memory = cost_memory.memory_per_device(layout_config, plan)
+  if memory.total > found.capacity_bytes:
+    return Candidate.of(layout, memory, False)
+  return Candidate.of(layout, memory, True, step_time.predict(layout_config, plan, found.gpu, efficiency))
 
 
 def verify(config: Config, candidate: Candidate, found: Search, gpus_per_node: int | None = None) -> dict:
