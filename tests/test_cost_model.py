@@ -187,16 +187,9 @@ def test_parameter_memory_is_exact():
   config = _config((4, 2, 1, 1), "zero1", "allgather", "none")
   plan = plan_for(config)
   trainer, state = train_step.create(config, plan)
-  device = jax.devices()[0]
-
-  def bytes_on_device(tree):
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
-               if shard.device == device)
-
   memory = cost_model.step_cost(config, plan).memory
-  assert memory.params == bytes_on_device(state.params)
-  moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if np.ndim(leaf) > 0]
-  assert memory.optimizer == bytes_on_device(moments)
+  assert memory.params == _bytes_on_first_device(state.params)
+  assert memory.optimizer == _bytes_on_first_device(_moments(state))
   assert memory.optimizer < 2 * memory.params  # split over the 8 devices
 
 
@@ -207,15 +200,20 @@ def test_parameter_memory_is_exact_with_weight_storage(sizes, preset, storage):
   config.mesh.weight_storage = storage
   plan = plan_for(config.validate(8))
   _, state = train_step.create(config, plan)
-  device = jax.devices()[0]
-
-  def bytes_on_device(tree):
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
-               if shard.device == device)
-
   memory = cost_model.step_cost(config, plan).memory
-  assert memory.params == bytes_on_device(state.params)
-  assert memory.optimizer == bytes_on_device([leaf for leaf in jax.tree.leaves(state.opt_state) if np.ndim(leaf) > 0])
+  assert memory.params == _bytes_on_first_device(state.params)
+  assert memory.optimizer == _bytes_on_first_device(_moments(state))
+
+
+def _bytes_on_first_device(tree) -> int:
+  device = jax.devices()[0]
+  return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
+             if shard.device == device)
+
+
+def _moments(state) -> list:
+  """The optimizer state's arrays (Adam's moments; not its scalar step count)."""
+  return [leaf for leaf in jax.tree.leaves(state.opt_state) if np.ndim(leaf) > 0]
 
 
 def test_useful_flops_do_not_depend_on_the_layout():
