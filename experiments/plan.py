@@ -65,7 +65,8 @@ def main(argv):
     found = planner.search(config, _GPUS.value, gpu, _GPUS_PER_NODE.value, **options)
     print(plan_report.header(found, _GPUS_PER_NODE.value or gpu.gpus_per_node, _EFFICIENCY.value))
     if not found.ranked:
-      smallest = planner.smallest_fitting(config, _GPUS.value, gpu, _GPUS_PER_NODE.value, **options)
+      smallest = (planner.smallest_fitting(config, _GPUS.value, gpu, _GPUS_PER_NODE.value, **options)
+                  if found.too_big else None)  # none valid at all: more GPUs of the same kind will not help
       print(plan_report.nothing_fits(found, smallest), file=sys.stderr)
       sys.exit(3)
     print(plan_report.ranked_table(found, _TOP.value))

@@ -178,6 +178,13 @@ def test_cli_prints_the_ranked_table_and_the_best_overrides():
   assert out.count("\n") > 8
 
 
+def test_a_gpu_count_no_layout_is_valid_on_says_so():
+  found = _search(_model(), 3, tiers=("xla",), remats=("full",))  # 32 sequences, 8 heads: nothing splits 3 ways
+  assert not found.ranked and not found.too_big and found.invalid
+  message = plan_report.nothing_fits(found, None)
+  assert "no layout of this config is valid on 3 GPUs" in message and "train.global_batch_size" in message
+
+
 def test_cli_rejects_an_unknown_gpu_in_one_line():
   result = _plan_cli("--config=experiments/configs/tiny_moe.py", "--gpus=8", "--gpu=v100")
   assert result.returncode != 0

@@ -64,6 +64,11 @@ def own_layout(config: Config, found: planner.Search, gpus_per_node: int | None,
 
 def nothing_fits(found: planner.Search, smallest) -> str:
   """The error when no layout fits: the closest one and what fills it, and the fewest GPUs where one fits."""
+  if not found.too_big:
+    reasons = ", ".join(f"{field} ({count})" for field, count in found.invalid.most_common())
+    return (f"error: no layout of this config is valid on {found.num_gpus} GPUs: the config validation refused "
+            f"every one, by field: {reasons}. A GPU count that divides the batch, the heads and the model "
+            "dimension (e.g. a power of two) will have some.")
   lines = [f"error: no layout fits {found.num_gpus} x {found.gpu.description} "
            f"({found.capacity_bytes / _GB:.1f} GB planned per device)."]
   if found.too_big:
