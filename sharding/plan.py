@@ -467,6 +467,11 @@ class ParallelPlan:
       reason = f"the kernels are written for Hopper (compute capability 9.x), not {hw.compute_capability or 'unknown'}"
     elif hw.num_sms < 1:
       reason = "the GPU does not report its number of SMs (the kernels launch one block on each)"
+    elif not np.array_equal(self.mesh.device_ids.ravel(), np.arange(self.mesh.size)):
+      # Mosaic GPU addresses peers by their position in the mesh, which must be the device ids in order;
+      # sharding/mesh.py places `tensor` inside `sequence`, which reorders them when both are split.
+      reason = ("Mosaic GPU's communicating kernels need a mesh whose device ids are in row-major order, and "
+                "this one places tensor inside sequence (both split)")
     else:
       reason = unsupported
     if reason is None:

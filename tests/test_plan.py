@@ -91,6 +91,19 @@ def test_hopper_gpus_get_the_mosaic_kernels_for_shapes_that_tile():
   assert float32.implementation == "all_to_all" and "float32" in float32.fallback
 
 
+def test_kernels_fall_back_where_the_mesh_is_not_in_device_id_order():
+  """Mosaic GPU's communicating kernels address peers by mesh position, which must follow the device ids:
+  with `tensor` and `sequence` both split, sharding/mesh.py places tensor inside sequence and they do not."""
+  devices = list(gpu_mesh((8,), ("data",)).devices.ravel())
+  for sequence, ordered in ((1, True), (2, False)):
+    mesh = make_mesh(MeshConfig(data=-1, expert=2, tensor=2, sequence=sequence, preset="tp_sp"), devices)
+    plan = ParallelPlan.for_mesh(mesh, "tp_sp", ParallelConfig(impl="pallas"))
+    tiles = plan.project_in(("tensor",), rows=256, d=512, width=512, dtype=jnp.bfloat16)
+    assert (tiles.kernel_backend == "mosaic_gpu") == ordered, tiles
+    if not ordered:
+      assert tiles.implementation == "ring" and "row-major order" in tiles.fallback
+
+
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_other_tiers_never_use_kernels(impl):
   plan = _gpu_plan(impl=impl)
