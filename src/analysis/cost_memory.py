@@ -112,7 +112,7 @@ def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
   micro = t.global_batch_size // t.grad_accum_steps
   tokens = micro * t.seq_len / _shards(plan, plan.activation_spec(("act_batch", "act_seq")))
   residual = tokens * m.embed_dim * c
-  attention, qkvo = _attention_layer(config, plan, residual)
+  attention, projections = _attention_layer(config, plan, residual)
   moe_layer, moe_transient = _moe_layer(config, plan, tokens, residual)
   mlp_width = m.mlp_dim / _shards(plan, plan.param_spec(("mlp",)))
   dense_layer = 2 * residual + tokens * 3 * mlp_width * c
@@ -123,7 +123,7 @@ def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
   elif m.remat == "full":
     kept = m.num_layers * residual + max(layers)
   else:  # dots: projections' outputs kept, the rest of one layer rebuilt at a time
-    kept = m.num_layers * (residual + qkvo) + max(layers)
+    kept = m.num_layers * (residual + projections) + max(layers)
   return kept + (moe_transient if num_moe else 0.0) + _output_layer(config, plan)
 
 
@@ -140,7 +140,7 @@ def _output_layer(config: Config, plan: ParallelPlan) -> float:
 
 
 def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tuple[float, float]:
-  """(bytes one attention layer keeps, of which q/k/v/o)."""
+  """(bytes one attention layer keeps, bytes of its projections' outputs, what remat "dots" keeps)."""
   m, t = config.model, config.train
   c = jnp.dtype(m.dtype).itemsize
   micro = t.global_batch_size // t.grad_accum_steps
@@ -161,7 +161,11 @@ def _attention_layer(config: Config, plan: ParallelPlan, residual: float) -> tup
   gathered_kv = 0.0
   if seq_split > 1 and plan.ops["attention"].implementation == "allgather":
     gathered_kv = 2 * micro / batch_split * t.seq_len * m.num_kv_heads / heads_split * width * c
-  return 2 * residual + qkvo + probs + gathered_kv, qkvo
+  # What `dots` keeps: the projections' outputs, q, k and v, and the out-projection's [B, S, D] (not the
+  # heads' [B, S, H, head_dim] it reads, an einsum's output with batch dimensions: where H x head_dim is
+  # not D, Qwen3's 4096 against 2048, the two differ).
+  projections = qkvo - rows * width * m.num_heads * c / heads_split + residual
+  return 2 * residual + qkvo + probs + gathered_kv, projections
 
 
 def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: float) -> tuple[float, float]:
