@@ -81,7 +81,8 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
   found = hlo_collectives.collectives(module, num_devices)
   return Report({
       "config": {"target": target, "devices": num_devices, "hosts": num_hosts,
-                 "mesh": dict(mesh.shape), "preset": config.mesh.preset, "impl": config.parallel.impl,
+                 "mesh": dict(mesh.shape), "preset": config.mesh.preset,
+                 "weight_storage": config.mesh.weight_storage, "impl": config.parallel.impl,
                  "attention": config.parallel.attention, "xla_flags": config.parallel.xla_flags,
                  "remat": config.model.remat, "dtype": config.model.dtype,
                  "global_batch": config.train.global_batch_size, "seq_len": config.train.seq_len,
@@ -156,7 +157,8 @@ def format_table(report: dict[str, Any]) -> str:
   gb = lambda b: f"{b / 1e9:9.2f} GB"
   lines = [
       f"{c['devices']} x {c['target']} ({c['hosts']} host(s)), mesh "
-      + " ".join(f"{a}={c['mesh'][a]}" for a in MESH_AXES) + f", preset {c['preset']}, impl {c['impl']}, "
+      + " ".join(f"{a}={c['mesh'][a]}" for a in MESH_AXES) + f", preset {c['preset']} (weights stored: "
+      f"{c.get('weight_storage', 'preset')}), impl {c['impl']}, "
       f"attention {c['attention']}, xla_flags {c['xla_flags']}, remat {c['remat']}, {c['dtype']}; "
       f"compiled in {report['compile_seconds']:.1f} s",
       "",
