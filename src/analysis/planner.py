@@ -28,12 +28,13 @@ from absl import logging
 
 from meshmoe.analysis import cost_memory, deviceless, step_time
 from meshmoe.analysis.gpus import GpuSpec
-from meshmoe.config import MESH_AXES, PRESETS, REMAT_POLICIES, Config, ConfigError, MeshConfig, resolve_mesh_sizes
-from meshmoe.sharding.mesh import make_mesh
+from meshmoe.config import (IMPLS, MESH_AXES, PRESETS, REMAT_POLICIES, Config, ConfigError, MeshConfig,
+                            resolve_mesh_sizes)
 from meshmoe.sharding import rules
+from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 
-TIERS = ("reference", "xla", "pallas")
+TIERS = IMPLS  # every tier (`parallel.impl`) is a candidate
 # Presets whose placement ignores the expert, tensor and sequence axes (every device a data replica):
 # one mesh shape each.
 _DATA_PARALLEL_PRESETS = ("dp", "fsdp", "zero1")
