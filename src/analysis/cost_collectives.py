@@ -247,10 +247,11 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
       add("moe", "all-to-all", lay.expert_axes, slots * row(backward), False)
   else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound)
     assignments = tokens * k
-    add("moe", "ragged-all-to-all", lay.expert_axes, slots * row(dispatch[0]), True)  # dispatch: [A] rows in, [ep*S] out
-    add("moe", "ragged-all-to-all", lay.expert_axes, assignments * row(combine[0]), True)  # return: straight into [A] rows
-    add("moe", "ragged-all-to-all", lay.expert_axes, slots * row(combine[1]), False)  # the return's transpose: [ep*S] out
-    add("moe", "ragged-all-to-all", lay.expert_axes, assignments * row(dispatch[1]), False)  # the dispatch's: [A] out
+    ep_axes = lay.expert_axes
+    add("moe", "ragged-all-to-all", ep_axes, slots * row(dispatch[0]), True)  # dispatch: [A] rows in, [ep*S] out
+    add("moe", "ragged-all-to-all", ep_axes, assignments * row(combine[0]), True)  # return: straight into [A] rows
+    add("moe", "ragged-all-to-all", ep_axes, slots * row(combine[1]), False)  # the return's transpose: [ep*S] out
+    add("moe", "ragged-all-to-all", ep_axes, assignments * row(dispatch[1]), False)  # the dispatch's: [A] out
 
 
 def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
