@@ -203,3 +203,21 @@ def test_verify_prints_the_compiled_figures_beside_the_predicted_ones():
   assert report["memory"]["fits"] and 0.5 < peak / best.memory_bytes < 2  # the model and XLA roughly agree
   text = plan_report.verified(1, best, report)
   assert f"{peak / 1e9:12.2f} GB" in text and f"{best.memory_bytes / 1e9:12.2f} GB" in text
+
+
+# moe_1b without remat on 8 H100s, weights replicated (`dp`) and split (`fsdp`): the layouts whose float32
+# norm copies and cast-weight transposes the memory model missed (fsdp was predicted 31% under its compile).
+NO_REMAT = [((8, 1, 1, 1), "dp"), ((8, 1, 1, 1), "fsdp")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,preset", NO_REMAT, ids=[preset for _, preset in NO_REMAT])
+def test_memory_without_remat_is_within_10_percent_of_the_compiled_step(mesh, preset):
+  from experiments.configs import moe_1b
+
+  config = moe_1b.get_config()
+  found = _search(config, 8, tiers=("reference",), remats=("none",), presets=(preset,))
+  layout = planner.Layout(mesh, preset, "preset", "reference", "none", 1)
+  candidate = planner.evaluate(config, layout, found, 8)
+  peak = planner.verify(config, candidate, found, 8)["memory"]["peak_bytes_per_device"]
+  assert abs(candidate.memory_bytes / peak - 1) <= 0.10, (candidate.memory_bytes, peak)

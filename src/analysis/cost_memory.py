@@ -8,8 +8,9 @@
   the per-replica copies of the weights themselves are views of the parameters, and their gradient takes
   the place of the parameters').
 - Activations kept for the backward pass of one micro-batch, by remat policy:
-  `none` keeps every layer's intermediates; `full` keeps each layer's input and rebuilds one layer at a
-  time; `dots` keeps the matmul outputs without batch dimensions (projections) and rebuilds the rest.
+  `none` keeps every layer's intermediates (with the float32 copies the norms and routers make:
+  `_float32_norm_copies`); `full` keeps each layer's input and rebuilds one layer at a time; `dots` keeps
+  the matmul outputs without batch dimensions (projections) and rebuilds the rest.
   Per layer, the intermediates are counted in units of this device's residual block [B, S, D]
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
   (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers
@@ -119,12 +120,32 @@ def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
   num_moe = m.num_layers - m.num_dense_layers
   layers = [attention + dense_layer] * m.num_dense_layers + [attention + moe_layer] * num_moe
   if m.remat == "none":
-    kept = sum(layers)
+    kept = sum(layers) + _float32_norm_copies(config, plan, tokens)
   elif m.remat == "full":
     kept = m.num_layers * residual + max(layers)
   else:  # dots: projections' outputs kept, the rest of one layer rebuilt at a time
     kept = m.num_layers * (residual + projections) + max(layers)
   return kept + (moe_transient if num_moe else 0.0) + _output_layer(config, plan)
+
+
+def _float32_norm_copies(config: Config, plan: ParallelPlan, tokens: float) -> float:
+  """Without remat, what the layers keep in float32 for their backward pass beside the compute-dtype
+  intermediates: every RMSNorm (models/layers.py normalises in float32) its input and normalised value,
+  and every router its float32 input (models/router.py). XLA saves these converts rather than recomputing
+  them: five float32 [B, S, D] per layer of moe_1b's compiled step, 5 GB of its 25."""
+  m = config.model
+  d = m.embed_dim
+  num_moe = m.num_layers - m.num_dense_layers
+  per_layer = 2 * 2 * tokens * d * 4  # the attention's and the FFN's norms
+  if m.attention == "mla":
+    per_layer += 2 * tokens * (m.q_lora_rank + m.kv_lora_rank) * 4
+  elif m.qk_norm:
+    heads_split = _shards(plan, plan.activation_spec((None, None, "act_heads")))
+    per_layer += 2 * tokens * (m.num_heads + m.num_kv_heads) * attention_width(m) / heads_split * 4
+  routed = 0.0
+  if num_moe:
+    routed = num_moe * tokens * plan.axis_size(plan.expert_layout().gather) * d * 4
+  return m.num_layers * per_layer + routed
 
 
 def _output_layer(config: Config, plan: ParallelPlan) -> float:
@@ -234,12 +255,18 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     transient = layer_weights * (c + 4) + rows * d * c + blocks * (3 * d + 6 * width) * c
     return 2 * residual + buffers + hidden + router, transient
   elif choice.grouped_gemm == "tokamax":  # the receive buffer as is; the kernels make no dense intermediate
+    logical = ("exp", "embed", "exp_mlp")
     tiled_rows, weights = rows, 0.0
     # The backward's gate/up cotangent [R, 2F], and the stacked experts' weights of every layer transposed:
     # the input gradient multiplies by each layer's transposed (cast) weights, and XLA's layout assignment
-    # transposes the stored float32 stack once for all layers instead (seen on every moe_1b layout).
-    stored = (3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * d * moe.expert_mlp_dim * 4
-              / _shards(plan, plan.param_spec(("exp", "embed", "exp_mlp"))))
+    # transposes the stored float32 stack once for all layers instead (seen on every moe_1b layout with
+    # remat). Without remat the layer loop keeps each layer's cast (and gathered) weights and XLA transposes
+    # those compute-dtype copies, besides the float32 stacks split storage is gathered from (moe_1b, dp and
+    # fsdp on 8 H100s: bf16[16, 32, 1024, 1024] and [16, 32, 1024, 512] transposed).
+    elements = 3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * d * moe.expert_mlp_dim
+    stored = elements * 4 / _shards(plan, plan.param_spec(logical))
+    if m.remat == "none":
+      stored = elements * c / _shards(plan, plan.weight_spec(logical)) + _gather_transposes(config, plan)
     transient = 2 * rows * width * c + stored
   else:  # XLA's ragged_dot: dense over every local expert
     tiled_rows, weights = rows, 0.0
