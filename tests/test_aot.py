@@ -173,6 +173,20 @@ def test_pallas_tier_report_accounts_for_the_fused_kernels():
 
 
 @pytest.mark.slow
+def test_fused_projections_and_the_logits_are_counted_once_each_under_remat_full():
+  """`tp_sp` on the `pallas` tier with remat full: the fused projection kernels run the forward, its remat
+  repeat and the input gradient (3 of 4 passes, not 3/4 of one), and the output layer, outside the remat'd
+  loop, computes its logits 3 times, not 4. Both were wrong once: compiled / modelled was 0.48 here."""
+  config = _config(sizes=(4, 1, 2, 1), preset="tp_sp", impl="pallas")
+  config.model.dtype, config.model.remat = "bfloat16", "full"
+  report = aot.analyze(config, "h100", 8)
+  flops = report.data["flops"]
+  assert report.data["plan"]["ops"]["attention.project_in"]["implementation"] == "fused"
+  assert flops["kernels_modelled"]["projections"] > 0
+  assert flops["compiled_over_cost_model"] == pytest.approx(1.0, abs=0.10), flops
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes,preset,impl", [((8, 1, 1, 1), "dp", "reference"), ((2, 4, 1, 1), "ep", "xla")],
                          ids=["one-expert-shard", "expert-parallel"])
 def test_gpu_step_runs_only_routed_rows_and_no_attention_scores(sizes, preset, impl):

@@ -12,7 +12,7 @@ really computes (all S x S pairs on one device or in the plain ring, 2n+1 of 4n 
 load-balanced all-gather or the zigzag ring), the grouped GEMM's padding (tile padding, and the dropless
 worst-case receive buffer of expert parallelism), work repeated on devices that hold the same tokens (the
 router and logits under `megascale`, which leaves `tensor` out of the token split), and the forward again
-under remat. Elementwise work (norms, softmax, activations) is counted by neither; compiled programs count
+under remat (the layers': the output layer runs outside the remat'd loop). Elementwise work (norms, softmax, activations) is counted by neither; compiled programs count
 it.
 """
 
@@ -125,6 +125,9 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   forward = ForwardFlops(**per_device)
   recompute = {"none": 0.0, "full": 1.0, "dots": 0.0}[m.remat]
   scale = {name: 3.0 + recompute for name in per_device}
+  # The output layer runs outside the remat'd layer loop, and its loss computes the logits' gradients in the
+  # forward chunks (models/output.py): forward, input and weight gradient, whatever the remat policy.
+  scale["logits"] = 3.0
   if m.remat == "dots":  # dots with batch dimensions (attention, per-tile expert GEMMs) and custom-call
     scale["attention_scores"] = scale["routed_experts"] = 4.0  # kernels are recomputed
   if attention_in_kernels(attention):
@@ -191,7 +194,7 @@ def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = Fals
   Modelled: from the tiles the kernels compute (balanced routing, or `worst_case`)."""
   executed = executed_flops_per_device(config, plan)
   recompute = 1.0 if config.model.remat == "full" else 0.0
-  share = (2.0 + recompute) / (3.0 + recompute)
+  in_kernel_passes = 2.0 + recompute  # the forward, its remat repeat and the input gradient, of 3 + recompute
   projections = 0.0
   for block in projection_blocks(config):
     tokens = _block_tokens(config, plan, block)
@@ -199,7 +202,7 @@ def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = Fals
              "project_out": 2 * block.weight_out[1] * block.weight_out_width if block.weight_out else 0}
     for direction, per_token in flops.items():
       if per_token and cost_kernels.in_custom_calls(plan.ops.get(f"{block.name}.{direction}")):
-        projections += share * tokens * block.layers * per_token
+        projections += in_kernel_passes * tokens * block.layers * per_token
   found = {"projections": projections, "attention": 0.0, "routed_experts": 0.0}
   if attention_in_kernels(plan.ops["attention"]):
     found["attention"] = executed.attention_scores
