@@ -55,7 +55,8 @@ def main(argv):
   if _GLOBAL_BATCH.value:
     config.train.global_batch_size = _GLOBAL_BATCH.value
   if _SEQ_LEN.value:
-    config.train.seq_len = config.model.max_seq_len = _SEQ_LEN.value
+    config.train.seq_len = _SEQ_LEN.value
+    config.model.max_seq_len = max(config.model.max_seq_len, _SEQ_LEN.value)
   try:
     gpu = gpus.gpu(_GPU.value)
     config.validate()
@@ -72,12 +73,29 @@ def main(argv):
     print(plan_report.ranked_table(found, _TOP.value))
     print(plan_report.own_layout(config, found, _GPUS_PER_NODE.value, _EFFICIENCY.value))
     best = found.ranked[0].layout
-    print(f"\nbest: python -m experiments.train --config={flags.FLAGS['config'].config_filename} {best.overrides()}")
+    print(f"\nbest: python -m experiments.train --config={flags.FLAGS['config'].config_filename} "
+          f"{' '.join(_planned_overrides(sys.argv[1:], config, best.overrides().split()))}")
     for rank, candidate in enumerate(found.ranked[:_VERIFY.value], 1):
       report = planner.verify(config, candidate, found, _GPUS_PER_NODE.value)
       print(plan_report.verified(rank, candidate, report))
   except (ConfigError, RuntimeError, ValueError) as e:
     sys.exit(f"error: {e}")
+
+
+def _planned_overrides(args: list[str], config, layout: list[str]) -> list[str]:
+  """The --config overrides that train what was planned: the ones given to the planner (its --config.*
+  overrides, and --global_batch / --seq_len as the fields they set), then the layout's, which replace any
+  given for the same field."""
+  given = [arg for arg in args if arg.startswith("--config.") and "=" in arg]
+  if _GLOBAL_BATCH.value:
+    given.append(f"--config.train.global_batch_size={config.train.global_batch_size}")
+  if _SEQ_LEN.value:
+    given += [f"--config.train.seq_len={config.train.seq_len}",
+              f"--config.model.max_seq_len={config.model.max_seq_len}"]
+  field = lambda override: override.split("=", 1)[0]
+  chosen = {field(override) for override in layout}
+  kept = {field(override): override for override in given if field(override) not in chosen}  # the last of each
+  return [*kept.values(), *layout]
 
 
 if __name__ == "__main__":

@@ -171,11 +171,19 @@ def _plan_cli(*args):
 
 
 def test_cli_prints_the_ranked_table_and_the_best_overrides():
-  result = _plan_cli("--config=experiments/configs/tiny_moe.py", "--gpus=8", "--top=3")
+  """The best layout's command trains what was planned: the batch, sequence length and --config overrides
+  given to the planner, then the layout's fields, which replace a given one (remat here)."""
+  result = _plan_cli("--config=experiments/configs/tiny_moe.py", "--gpus=8", "--top=3", "--global_batch=32",
+                     "--seq_len=512", "--config.optimizer.learning_rate=0.002", "--config.model.remat=full")
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
-  assert "modelled" in out and "ranks" in out and "best: python -m experiments.train" in out
-  assert out.count("\n") > 8
+  assert "modelled" in out and "ranks" in out and out.count("\n") > 8
+  [best] = [line for line in out.splitlines() if line.startswith("best: python -m experiments.train")]
+  overrides = dict(arg.split("=", 1) for arg in best.split()[4:])
+  assert overrides["--config"] == "experiments/configs/tiny_moe.py"
+  assert overrides["--config.train.global_batch_size"] == "32" and overrides["--config.train.seq_len"] == "512"
+  assert overrides["--config.model.max_seq_len"] == "512" and overrides["--config.optimizer.learning_rate"] == "0.002"
+  assert best.count("--config.model.remat=") == 1 and "--config.mesh.preset=" in best
 
 
 def test_a_gpu_count_no_layout_is_valid_on_says_so():
