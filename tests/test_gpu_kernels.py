@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshmoe.config import MeshConfig, ParallelConfig
-from meshmoe.pallas_kernels import moe_routing, sm_budget
+from meshmoe.pallas_kernels import moe_routing, mosaic_tiles, sm_budget
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_api
 from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient_api
 from meshmoe.pallas_kernels.matmul_reducescatter import api as scatter_api
@@ -541,9 +541,12 @@ def test_flux_kernels_forward_and_gradients_on_one_gpu():
       assert_close(f32(got), f32(want), BF16_RTOL, f"{op.__name__} {name} gradient")
 
 
+@pytest.mark.parametrize("consumers", [1, 2], ids=["one-warpgroup", "warp-specialised"])
 @pytest.mark.parametrize("tiles_per_expert", [[2, 0, 3], [1, 1, 1, 1, 1]], ids=["gap", "even"])
-def test_grouped_weight_gradient_kernel_on_one_gpu(tiles_per_expert):
+def test_grouped_weight_gradient_kernel_on_one_gpu(tiles_per_expert, consumers):
+  """One warpgroup on 64 x 128 tiles, and warp-specialised on Hopper's 128 x 256 (a producer, two consumers)."""
   _needs_hopper()
+  tiles = mosaic_tiles.DEFAULT_TILES if consumers == 1 else mosaic_tiles.Tiles(128, 128, 64, 3)
   d, f = 128, 256
   rows = np.asarray(tiles_per_expert) * TM
   total = int(rows.sum()) + 2 * TM  # rows after the last group: ignored
@@ -552,7 +555,8 @@ def test_grouped_weight_gradient_kernel_on_one_gpu(tiles_per_expert):
   dy = jax.random.normal(keys[1], (total, f), jnp.float32).astype(jnp.bfloat16)
   like = jnp.zeros((len(rows), d, f), jnp.float32)
   got = jax.jit(functools.partial(weight_gradient_api.weight_gradient, tile_rows=TM, backend="mosaic_gpu",
-                                  num_sms=_num_sms()))(x, dy, jnp.asarray(rows, jnp.int32), like)
+                                  num_sms=_num_sms(), tiles=tiles, consumers=consumers)
+                )(x, dy, jnp.asarray(rows, jnp.int32), like)
   x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
   starts = np.cumsum(rows) - rows
   want = np.stack([x64[s:s + r].T @ dy64[s:s + r] for s, r in zip(starts, rows)])

@@ -24,8 +24,10 @@ Groups (rows of the table):
   - `dense_batched`: one batched einsum [E, M/E, K] x [E, K, N], what balanced routing would cost as a
     plain dense GEMM: a ceiling, not a grouped GEMM.
 - `wgrad`, the weight gradient alone, dw[e] = x_e^T dy_e (a ragged contraction): tokamax's
-  (`ragged_dot_general`, the plan's contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel,
-  jax.lax.ragged_dot_general, and the dense loop.
+  (`ragged_dot_general`, the plan's contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel
+  (`mosaic_tiles`: one warpgroup on 64 x 128 tiles, what the MoE backward runs; `mosaic_ws_128x256`:
+  warp-specialised, a producer and two consumer warpgroups on 128 x 256 tiles), jax.lax.ragged_dot_general,
+  and the dense loop.
 - `ffn`, the whole expert FFN y = down(silu(x @ gate) * (x @ up)) per assignment row, forward and forward +
   backward: meshmoe's two fused Comet kernels on a ring of one GPU (`mosaic_fused`: dispatch + grouped
   GEMM with SwiGLU in its epilogue, then grouped GEMM + return; its backward recomputes gate and up per
@@ -285,6 +287,7 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
 
   from meshmoe.pallas_kernels import mosaic_tiles
   from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
+  ws_tiles = mosaic_tiles.Tiles(128, 128, 64, 3)  # 128 x 256 output tiles with two consumer warpgroups
   from meshmoe.sharding import tokamax_gemm
   from meshmoe.sharding.plan import Hardware
 
@@ -315,6 +318,10 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
       "mosaic_tiles": (lambda x, dy: weight_gradient.weight_gradient(
           x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
           num_sms=hardware.num_sms or None)) if hopper else None,
+      # Warp-specialised: a producer warpgroup and two consumers on 128 x 256 output tiles.
+      "mosaic_ws_128x256": (lambda x, dy: weight_gradient.weight_gradient(
+          x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
+          num_sms=hardware.num_sms or None, tiles=ws_tiles, consumers=2)) if hopper else None,
       "ragged_dot": lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16),
       "dense_loop": lambda x, dy: jnp.stack([x[offsets[i]:offsets[i + 1]].T @ dy[offsets[i]:offsets[i + 1]]
                                              for i in range(e)]),
@@ -324,9 +331,10 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
     row = Row("wgrad", name, label, "fwd", flops)
     if fn is None:
       rows.append(skipped(row, why_no_tokamax if name == "tokamax" else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
-    elif name == "mosaic_tiles" and (why := weight_gradient.unsupported(k, n, jnp.bfloat16)
-                                     or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
-                                              for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m), None)):
+    elif name.startswith("mosaic") and (why := weight_gradient.unsupported(
+        k, n, jnp.bfloat16, *((ws_tiles, 2) if name == "mosaic_ws_128x256" else ()))
+        or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
+                 for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m), None)):
       rows.append(skipped(row, why))
     else:
       rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (x, dy)), check))

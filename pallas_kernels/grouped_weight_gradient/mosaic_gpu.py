@@ -8,10 +8,20 @@ operand read straight from shared memory) into float32 registers. Only the exper
 the FLOPs are those of the rows that exist, where XLA's transposed ragged dot computes every expert over
 every row.
 
-Legend: R rows, D and F the two widths, E experts, TM rows per tile.
+With `consumers` = 2 (or more) the kernel is warp-specialised, the Hopper GEMM layout: each thread block
+runs a producer warpgroup, which only issues the TMA loads of `tiles.stages` row tiles ahead, and
+`consumers` warpgroups, each multiplying its own block_n columns of a block_m x (consumers x block_n)
+output tile (128 x 256 with block_m = block_n = 128), one WGMMA left in flight across row tiles. The
+producer never waits on a multiply, so loads and multiplies overlap fully; the consumers store their halves
+of the tile through shared memory while the producer already loads the next tile's rows. Untimed so far:
+the GPU kit's `wgrad` rows time both layouts on a Hopper GPU.
+
+Legend: R rows, D and F the two widths, E experts, TM rows per tile, C consumer warpgroups.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,24 +33,49 @@ from meshmoe.pallas_kernels import mosaic_tiles, ring
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
 
-def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES) -> str | None:
+# Registers the producer warpgroup keeps (it holds no accumulator; the rest go to the consumers).
+PRODUCER_REGISTERS = 40
+
+
+def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, consumers: int = 1,
+                tile_rows: int | None = None) -> str | None:
   """Why this kernel cannot take widths D and F (None when it can): D in WGMMA-height tiles, F in
-  block_n tiles."""
-  return mosaic_tiles.unsupported(dtype, {"D": (d, tiles.block_m), "F": (f, tiles.block_n)}, tiles)
+  block_n x `consumers` tiles, and with warp specialisation the pipeline's shared memory within Hopper's."""
+  if consumers < 1:
+    return f"consumers={consumers} (at least one warpgroup multiplies)"
+  reason = mosaic_tiles.unsupported(dtype, {"D": (d, tiles.block_m), "F": (f, tiles.block_n * consumers)}, tiles)
+  if reason or consumers == 1:
+    return reason
+  tm = tile_rows or tiles.block_m
+  itemsize = jnp.dtype(dtype).itemsize
+  needed = (tiles.stages * tm * (tiles.block_m + consumers * tiles.block_n)  # the pipeline's row tiles
+            + consumers * tiles.block_m * tiles.block_n) * itemsize  # each consumer's output slot
+  if needed > mosaic_tiles.SHARED_MEMORY_BYTES:
+    return (f"tiles {tiles} with {consumers} consumers and {tm}-row tiles need {needed} bytes of shared memory, "
+            f"more than {mosaic_tiles.SHARED_MEMORY_BYTES}")
+  return None
 
 
 def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: jax.Array, *, tile_rows: int,
-                    tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_blocks: int,
+                    tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_blocks: int, consumers: int = 1,
                     interpret=None) -> jax.Array:
-  """dw_EDF in `like`'s dtype, as reference.weight_gradient; rows_E must be multiples of tile_rows."""
+  """dw_EDF in `like`'s dtype, as reference.weight_gradient; rows_E must be multiples of tile_rows.
+  `consumers` > 1: the warp-specialised kernel (module docstring)."""
   d, f, num_experts = x_RD.shape[1], dy_RF.shape[1], rows_E.shape[0]
-  reason = unsupported(d, f, x_RD.dtype, tiles)
+  reason = unsupported(d, f, x_RD.dtype, tiles, consumers, tile_rows)
   if reason or dy_RF.dtype != x_RD.dtype:
     raise ValueError(f"grouped weight-gradient kernel: {reason or 'x and dy dtypes differ'}")
+  tiles_E = (rows_E // tile_rows).astype(jnp.int32)
+  first_E = jnp.cumsum(tiles_E) - tiles_E
+  out_type = jax.ShapeDtypeStruct((num_experts, d, f), like.dtype)
+  if consumers > 1:
+    body = functools.partial(_warp_specialized, tiles=tiles, tile_rows=tile_rows, consumers=consumers)
+    dw = plgpu.kernel(body, out_type=out_type, grid=(num_blocks,), grid_names=("sm",), num_threads=consumers + 1,
+                      thread_name="wg", compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
+                      )(first_E, tiles_E, x_RD, dy_RF)
+    return ring.varying_like(dw, like)
   bd, bf, tm = tiles.block_m, tiles.block_n, tile_rows
   d_tiles, f_tiles = d // bd, f // bf
-  tiles_E = (rows_E // tm).astype(jnp.int32)
-  first_E = jnp.cumsum(tiles_E) - tiles_E
 
   def body(first_ref, count_ref, x_ref, dy_ref, out_ref):
     @plgpu.nd_loop((num_experts * d_tiles * f_tiles,), collective_axes="sm")
@@ -78,8 +113,57 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
       mosaic_tiles.store_tile(acc, out_ref.at[e, pl.ds(di * bd, bd), pl.ds(fi * bf, bf)])
 
   dw = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((num_experts, d, f), like.dtype),
+      body, out_type=out_type,
       grid=(num_blocks,), grid_names=("sm",), compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
   )(first_E, tiles_E, x_RD, dy_RF)
   return ring.varying_like(dw, like)
+
+
+def _warp_specialized(first_ref, count_ref, x_ref, dy_ref, out_ref, *, tiles: Tiles, tile_rows: int, consumers: int):
+  """The warp-specialised kernel body, run by every warpgroup of a block (module docstring)."""
+  num_experts, d, f = out_ref.shape
+  bd, bf, tm = tiles.block_m, tiles.block_n, tile_rows
+  d_tiles, f_tiles = d // bd, f // (consumers * bf)
+  wg = lax.axis_index("wg")
+
+  def pipeline(body, compute_context, grid, first, di, fi):
+    # The producer keeps `stages` row tiles in flight; buffers are released one step late, so a consumer
+    # leaves its newest WGMMA running while it issues the next (wgmma_wait(1)).
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=grid, memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=consumers,
+        max_concurrent_steps=tiles.stages, compute_context=compute_context,
+        in_specs=[plgpu.BlockSpec((tm, bd), lambda t: (first + t, di), delay_release=1),
+                  plgpu.BlockSpec((tm, consumers * bf), lambda t: (first + t, fi), delay_release=1)])
+
+  def multiply(indices, x_smem, dy_smem, acc_ref):
+    plgpu.wgmma(acc_ref, x_smem.T, dy_smem.at[:, pl.ds(wg * bf, bf)])
+    plgpu.wgmma_wait(1)
+    return acc_ref
+
+  def with_scratch(out_smem):
+    @plgpu.nd_loop((num_experts * d_tiles * f_tiles,), collective_axes="sm")
+    def _output_tile(info):
+      e, rest = info.index[0] // (d_tiles * f_tiles), lax.rem(info.index[0], d_tiles * f_tiles)
+      di, fi = rest // f_tiles, lax.rem(rest, f_tiles)
+
+      def compute_context(run_pipeline):
+        def accumulate(acc_ref):
+          run_pipeline(acc_ref)
+          plgpu.wgmma_wait(0)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's last tile has left its slot
+          out_smem[wg] = acc_ref[...].astype(out_smem.dtype)
+          plgpu.commit_smem()
+          columns = pl.ds((fi * consumers + wg) * bf, bf)
+          plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[e, pl.ds(di * bd, bd), columns])
+
+        pl.run_scoped(accumulate, plgpu.ACC((bd, bf), jnp.float32))
+
+      # Each output tile's pipeline allocates its own buffers and barriers: sharing one allocation between
+      # pipelines lets the producer refill a slot whose last use a consumer has not yet observed (the
+      # interpreter's barrier check fails with one row tile per expert), unless the pipelines are chained.
+      pipeline(multiply, compute_context, (count_ref[e],), first_ref[e], di, fi)(x_ref, dy_ref)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(with_scratch, plgpu.SMEM((consumers, bd, bf), out_ref.dtype), collective_axes="wg")
 
