@@ -12,8 +12,9 @@ With `consumers` = 2 (or more) the kernel is warp-specialised, the Hopper GEMM l
 runs a producer warpgroup, which only issues the TMA loads of `tiles.stages` row tiles ahead, and
 `consumers` warpgroups, each multiplying its own block_n columns of a block_m x (consumers x block_n)
 output tile (128 x 256 with block_m = block_n = 128), one WGMMA left in flight across row tiles. The
-producer never waits on a multiply, so loads and multiplies overlap fully; the consumers store their halves
-of the tile through shared memory while the producer already loads the next tile's rows. Untimed so far:
+producer waits only for a slot the consumers have released, so loads run ahead of the multiplies; the
+consumers store their halves of the tile through shared memory while the producer loads the next tile's
+rows. Untimed so far:
 the GPU kit's `wgrad` rows time both layouts on a Hopper GPU.
 
 Legend: R rows, D and F the two widths, E experts, TM rows per tile, C consumer warpgroups.
