@@ -12,8 +12,8 @@ really computes (all S x S pairs on one device or in the plain ring, 2n+1 of 4n 
 load-balanced all-gather or the zigzag ring), the grouped GEMM's padding (tile padding, and the dropless
 worst-case receive buffer of expert parallelism), work repeated on devices that hold the same tokens (the
 router and logits under `megascale`, which leaves `tensor` out of the token split), and the forward again
-under remat (the layers': the output layer runs outside the remat'd loop). Elementwise work (norms, softmax, activations) is counted by neither; compiled programs count
-it.
+under remat (the layers': the output layer runs outside the remat'd loop). Elementwise work (norms,
+softmax, activations) is counted by neither; compiled programs count it.
 """
 
 from __future__ import annotations
