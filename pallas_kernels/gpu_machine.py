@@ -64,8 +64,7 @@ class GpuMachine:
       @pl.when(copy_when)
       def _():
         for dst_ref, peer, _ in copies:
-          target = dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer)
-          plgpu.copy_smem_to_gmem(a_smem, target.at[:, columns])
+          plgpu.copy_smem_to_gmem(a_smem, _target(dst_ref, peer).at[:, columns])
 
     acc = mosaic_tiles.matmul_tile(a_ref, b_ref, self.tiles, on_a_tile=forward if copies else None,
                                    transpose_b=transpose_b)
@@ -96,27 +95,15 @@ class GpuMachine:
     one of PUT_SLOTS shared-memory slots by TMA and stored from there by TMA (no trip through registers),
     with up to PUT_SLOTS stores in flight; all are complete before the signal (and before a local copy
     is read, by this block, in the same kernel)."""
-    target = dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer)
-    width, slots = self.tiles.block_n, PUT_SLOTS
-
-    def copy(staging, loaded):
-      @pl.loop(0, src_ref.shape[1] // width)  # a loop in the kernel: unrolled, wide rows overflow layout inference
-      def _copy(c):
-        columns, slot = mosaic_tiles.column_block(c, width), lax.rem(c, slots)
-        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's last store has read it
-        plgpu.copy_gmem_to_smem(src_ref.at[:, columns], staging.at[slot], loaded)
-        plgpu.barrier_wait(loaded)
-        plgpu.copy_smem_to_gmem(staging.at[slot], target.at[:, columns])
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-    pl.run_scoped(copy, plgpu.SMEM((slots, src_ref.shape[0], width), src_ref.dtype), plgpu.Barrier())
+    staging = plgpu.SMEM((PUT_SLOTS, src_ref.shape[0], self.tiles.block_n), src_ref.dtype)
+    pl.run_scoped(lambda slots, loaded: copy_through(slots, loaded, src_ref, _target(dst_ref, peer)),
+                  staging, plgpu.Barrier())
     if peer is not None:
       pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
 
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     """Stores a tile value into `dst_ref` (on `peer`) and, once complete, adds its bytes to `arrival`."""
-    mosaic_tiles.store_tile(value, dst_ref if peer is None else plgpu.remote_ref(dst_ref, peer))
+    mosaic_tiles.store_tile(value, _target(dst_ref, peer))
     if peer is not None:
       pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
 
@@ -139,13 +126,47 @@ def notice_type(num_blocks: int, shape):
   return plgpu.SemaphoreType.REGULAR((num_blocks, *shape))
 
 
-def launch(body, *, out_type, scratch_types, num_blocks: int, interpret=None):
-  """Runs `body(*refs)` as `num_blocks` thread blocks. Kernels that communicate (those with semaphores)
-  start with Mosaic GPU's device barrier: every device of the ring has entered the kernel before any block
-  runs. A ring of one skips it, since the barrier needs NVSHMEM, which a single GPU should not."""
+def copy_through(staging, loaded, src_ref, dst_ref) -> None:
+  """Copies src_ref to dst_ref (any global refs, a peer's too) in chunks of staging's [rows, columns]: each
+  chunk is loaded into a staging slot by TMA and stored from there by TMA, with up to `slots` stores in
+  flight, and returns once every store is complete. A loop in the kernel: unrolled, wide rows overflow
+  Mosaic GPU's layout inference."""
+  slots, rows, width = staging.shape
+  row_chunks, column_chunks = src_ref.shape[0] // rows, src_ref.shape[1] // width
+
+  @pl.loop(0, row_chunks * column_chunks)
+  def _copy(i):
+    chunk = (mosaic_tiles.column_block(i // column_chunks, rows), mosaic_tiles.column_block(lax.rem(i, column_chunks),
+                                                                                           width))
+    slot = lax.rem(i, slots)
+    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's last store has read it
+    plgpu.copy_gmem_to_smem(src_ref.at[chunk], staging.at[slot], loaded)
+    plgpu.barrier_wait(loaded)
+    plgpu.copy_smem_to_gmem(staging.at[slot], dst_ref.at[chunk])
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=None, transpose_b: bool = False):
+  """Runs `program(machine, *refs)` as `machine.num_blocks` thread blocks; with machine.tiles.consumers > 1,
+  warp-specialised (gpu_warp_specialized.py; `transpose_b`: the GEMMs' B operands are stored [N, K]).
+  Kernels that communicate (those with semaphores) start with Mosaic GPU's device barrier: every device of
+  the ring has entered the kernel before any block runs. A ring of one skips it, since the barrier needs
+  NVSHMEM, which a single GPU should not."""
   params = dataclasses.replace(mosaic_tiles.compiler_params(), skip_device_barrier=not scratch_types)
-  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(num_blocks,),
-                      grid_names=(AXIS,), compiler_params=params, interpret=interpret)
+  grid = dict(grid=(machine.num_blocks,), grid_names=(AXIS,))
+  if machine.tiles.consumers > 1:
+    from meshmoe.pallas_kernels import gpu_warp_specialized  # it builds on this module
+    body, threads = gpu_warp_specialized.kernel_body(program, machine, out_type, transpose_b)
+    grid |= threads
+  else:
+    body = lambda *refs: program(machine, *refs)
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, compiler_params=params,
+                      interpret=interpret, **grid)
+
+
+def _target(ref, peer):
+  return ref if peer is None else plgpu.remote_ref(ref, peer)
 
 
 def _bytes(ref) -> int:

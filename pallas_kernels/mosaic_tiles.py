@@ -32,20 +32,44 @@ SHARED_MEMORY_BYTES = 232_448
 @dataclasses.dataclass(frozen=True)
 class Tiles:
   """Tile sizes of a kernel's GEMMs. block_m 64 is one warpgroup's WGMMA height; block_k 64 bf16 values
-  are one 128-byte swizzled row; `stages` TMA loads are in flight ahead of the WGMMA."""
+  are one 128-byte swizzled row; `stages` TMA loads are in flight ahead of the WGMMA.
+
+  `consumers` > 1 warp-specialises a kernel's thread blocks (the Hopper GEMM layout): a producer warpgroup
+  loads tiles and runs the communication, and `consumers` warpgroups each multiply block_n / consumers
+  columns of the block_m x block_n output tile (gpu_warp_specialized.py; e.g. Tiles(128, 256, 64, 3, 2))."""
 
   block_m: int = 64
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
+  consumers: int = 1
+
+  @property
+  def consumer_columns(self) -> int:
+    """Output columns each consumer warpgroup multiplies."""
+    return self.block_n // self.consumers
+
+  def staging_shape(self) -> tuple[int, int, int]:
+    """(slots, rows, columns) of a warp-specialised producer's staging buffer for puts: chunks of 64 rows
+    (or block_m) by block_k columns, small enough to leave the shared memory to the GEMM pipeline."""
+    return STAGING_SLOTS, min(self.block_m, 64), self.block_k
 
   def shared_memory_bytes(self, itemsize: int) -> int:
-    """Shared memory of one tile GEMM: the pipeline's A and B buffers and the output tile."""
+    """Shared memory of one thread block: the pipeline's A and B buffers and the output tile, and with
+    warp specialisation the producer's staging buffer too."""
     pipeline = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
-    return pipeline + self.block_m * self.block_n * max(itemsize, 4)
+    if self.consumers == 1:
+      return pipeline + self.block_m * self.block_n * max(itemsize, 4)
+    slots, rows, columns = self.staging_shape()
+    return pipeline + (self.block_m * self.block_n + slots * rows * columns) * itemsize
 
 
+# Slots of a warp-specialised producer's staging buffer (Tiles.staging_shape).
+STAGING_SLOTS = 2
 DEFAULT_TILES = Tiles()
+# Hopper's GEMM layout: 128 x 256 output tiles, a producer and two consumer warpgroups, 3 stages. Untimed
+# against DEFAULT_TILES so far, so the kernels' callers keep the default (README, "verification").
+HOPPER_TILES = Tiles(128, 256, 64, 3, consumers=2)
 
 
 def unsupported(dtype, shapes: dict[str, tuple[int, int]], tiles: Tiles) -> str | None:
@@ -53,6 +77,11 @@ def unsupported(dtype, shapes: dict[str, tuple[int, int]], tiles: Tiles) -> str 
   (rows, cols) pair per tiled dimension, e.g. {"M": (m, block_m), ...}."""
   if tiles.stages < 2:
     return f"tiles {tiles} pipeline fewer than 2 stages (a step's buffers are released one step late)"
+  if tiles.consumers < 1 or tiles.block_n % tiles.consumers or tiles.consumer_columns % 64:
+    return (f"tiles {tiles}: block_n={tiles.block_n} must split into {tiles.consumers} consumer warpgroups' "
+            "column blocks of a multiple of 64")
+  if tiles.block_m % 64:
+    return f"tiles {tiles}: block_m={tiles.block_m} is not a multiple of 64 (a warpgroup's WGMMA height)"
   if jnp.dtype(dtype) not in DTYPES:
     return f"dtype {jnp.dtype(dtype).name} (the GPU kernels multiply bfloat16 or float16)"
   for name, (size, block) in shapes.items():

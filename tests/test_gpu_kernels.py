@@ -460,27 +460,34 @@ def _num_sms() -> int:
   return sm_budget.device_sms()
 
 
-def _moe_layer(backend: str, num_sms: int, e_local: int, swiglu: str | None = None):
+def _moe_layer(backend: str, num_sms: int, e_local: int, swiglu: str | None = None,
+               tiles: mosaic_tiles.Tiles = mosaic_tiles.DEFAULT_TILES):
   """With `swiglu` (the gradient's mode), SwiGLU fused into the dispatch kernel; else between the kernels."""
   def layer(x_TD, experts_TK, gate, up, down):
     t, k = experts_TK.shape
     token_A = jnp.arange(t * k) // k
-    plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, TM)
+    tm = tiles.block_m  # the kernels' tile height is the plan's
+    plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, tm)
+    options = dict(backend=backend, num_sms=num_sms, tiles=tiles)  # the reference ignores the tiles
     if swiglu:
-      h = dispatch_api.dispatch_swiglu(x_TD[token_A], gate, up, plan, "x", tile_rows=TM, backend=backend,
-                                       num_sms=num_sms, gradient=swiglu)
+      h = dispatch_api.dispatch_swiglu(x_TD[token_A], gate, up, plan, "x", tile_rows=tm, gradient=swiglu, **options)
     else:
-      g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "x", tile_rows=TM, backend=backend,
-                                        num_sms=num_sms)
+      g, u = dispatch_api.dispatch_gemm(x_TD[token_A], (gate, up), plan, "x", tile_rows=tm, **options)
       h = jax.nn.silu(g) * u
-    y_AD = return_api.gemm_return((h,), (down,), plan, "x", backend=backend, num_sms=num_sms)
+    y_AD = return_api.gemm_return((h,), (down,), plan, "x", **options)
     return jnp.zeros((t, y_AD.shape[1]), jnp.float32).at[token_A].add(y_AD.astype(jnp.float32))
 
   return layer
 
 
+# One warpgroup per block on 64 x 128 tiles, and warp-specialised on Hopper's 128 x 256 (a producer, two consumers).
+LAYOUTS = pytest.mark.parametrize("tiles", [mosaic_tiles.DEFAULT_TILES, mosaic_tiles.HOPPER_TILES],
+                                  ids=["one-warpgroup", "warp-specialised"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("swiglu", [None, "recompute", "keep"])
-def test_comet_moe_kernels_forward_and_gradients_on_one_gpu(swiglu):
+def test_comet_moe_kernels_forward_and_gradients_on_one_gpu(swiglu, tiles):
   _needs_hopper()
   tokens, top_k, d, f, e_local = 256, 2, 256, 256, 4
   rng = np.random.default_rng(3)
@@ -496,7 +503,7 @@ def test_comet_moe_kernels_forward_and_gradients_on_one_gpu(swiglu):
 
   def forward_and_grads(backend):
     def per_device(x, experts, gate, up, down, ct):
-      layer = _moe_layer(backend, _num_sms(), e_local, swiglu if backend == "mosaic_gpu" else None)
+      layer = _moe_layer(backend, _num_sms(), e_local, swiglu if backend == "mosaic_gpu" else None, tiles)
       out, pullback = jax.vjp(lambda x, g, u, dn: layer(x, experts, g, u, dn), x, gate, up, down)
       return out, pullback(ct)
     spec = P("x")
@@ -513,7 +520,8 @@ def test_comet_moe_kernels_forward_and_gradients_on_one_gpu(swiglu):
     assert_close(got.astype(jnp.float32), want.astype(jnp.float32), BF16_MODEL_RTOL, f"MoE layer d{name}")
 
 
-def test_flux_kernels_forward_and_gradients_on_one_gpu():
+@LAYOUTS
+def test_flux_kernels_forward_and_gradients_on_one_gpu(tiles):
   _needs_hopper()
   m, k, n = 256, 256, 512
   keys = jax.random.split(jax.random.key(5), 5)
@@ -526,7 +534,7 @@ def test_flux_kernels_forward_and_gradients_on_one_gpu():
 
   def forward_and_vjp(op, backend):
     def per_device(a, w, dout):
-      out, pullback = jax.vjp(lambda a, w: op(a, w, "x", backend=backend, num_sms=_num_sms()), a, w)
+      out, pullback = jax.vjp(lambda a, w: op(a, w, "x", backend=backend, num_sms=_num_sms(), tiles=tiles), a, w)
       return out, pullback(dout)
     # Every operand split over the ring (of one): the weight too, as in tests/pallas_kernels/test_flux.py.
     return _on_ring(per_device, (spec,) * 3, (spec, (spec, spec)))
@@ -546,7 +554,7 @@ def test_flux_kernels_forward_and_gradients_on_one_gpu():
 def test_grouped_weight_gradient_kernel_on_one_gpu(tiles_per_expert, consumers):
   """One warpgroup on 64 x 128 tiles, and warp-specialised on Hopper's 128 x 256 (a producer, two consumers)."""
   _needs_hopper()
-  tiles = mosaic_tiles.DEFAULT_TILES if consumers == 1 else mosaic_tiles.Tiles(128, 128, 64, 3)
+  tiles = mosaic_tiles.DEFAULT_TILES if consumers == 1 else mosaic_tiles.HOPPER_TILES
   d, f = 128, 256
   rows = np.asarray(tiles_per_expert) * TM
   total = int(rows.sum()) + 2 * TM  # rows after the last group: ignored
@@ -555,7 +563,7 @@ def test_grouped_weight_gradient_kernel_on_one_gpu(tiles_per_expert, consumers):
   dy = jax.random.normal(keys[1], (total, f), jnp.float32).astype(jnp.bfloat16)
   like = jnp.zeros((len(rows), d, f), jnp.float32)
   got = jax.jit(functools.partial(weight_gradient_api.weight_gradient, tile_rows=TM, backend="mosaic_gpu",
-                                  num_sms=_num_sms(), tiles=tiles, consumers=consumers)
+                                  num_sms=_num_sms(), tiles=tiles)
                 )(x, dy, jnp.asarray(rows, jnp.int32), like)
   x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
   starts = np.cumsum(rows) - rows

@@ -14,8 +14,9 @@ Groups (rows of the table):
   sharding/grouped_ffn.py runs it) and down (K = expert width, N = d_model). Implementations:
   - `tokamax`: tokamax's grouped GEMM as the MoE path calls it (sharding/tokamax_gemm.ragged_matmul, with
     the plan's kernels for this GPU: Mosaic GPU on sm90; its own VJP);
-  - `mosaic_tiles BMxBNxBKxSTAGES`: meshmoe's own Mosaic GPU tiles (pallas_kernels/), one row per tile
-    shape of --mosaic_tiles: the Comet dispatch + grouped GEMM kernel on a ring of one GPU (its send
+  - `mosaic_tiles BMxBNxBKxSTAGES[xCONSUMERS]`: meshmoe's own Mosaic GPU tiles (pallas_kernels/), one row
+    per tile shape of --mosaic_tiles (with CONSUMERS, warp-specialised blocks: a producer warpgroup and
+    that many consumers): the Comet dispatch + grouped GEMM kernel on a ring of one GPU (its send
     phase is then a local copy of the rows into the receive buffer, part of what it costs); forward +
     backward is its custom VJP (the GEMM + return kernel with the transposed weights, and the grouped
     weight-gradient kernel). Hopper only;
@@ -31,7 +32,7 @@ Groups (rows of the table):
 - `ffn`, the whole expert FFN y = down(silu(x @ gate) * (x @ up)) per assignment row, forward and forward +
   backward: meshmoe's two fused Comet kernels on a ring of one GPU (`mosaic_fused`: dispatch + grouped
   GEMM with SwiGLU in its epilogue, then grouped GEMM + return; its backward recomputes gate and up per
-  tile) against XLA's unfused ops on the same shapes (`xla_unfused`: three jax.lax.ragged_dot and the
+  tile; `mosaic_fused_ws`: the same, warp-specialised on Hopper's 128 x 256 tiles) against XLA's unfused ops on the same shapes (`xla_unfused`: three jax.lax.ragged_dot and the
   SwiGLU between them, gate and up in memory).
 - `attention`, causal GQA attention [B, S, N, H] x [B, S, G, H], forward and forward + backward:
   meshmoe's GPU path (context_parallel.sharded_attention, whole sequence, with the kernel the plan picks
@@ -61,6 +62,7 @@ runs, not a benchmark.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -89,9 +91,10 @@ flags.DEFINE_integer("iters", 20, "timed samples; the median is reported", lower
 flags.DEFINE_integer("inner", 10, "calls per sample, launched back to back", lower_bound=1)
 flags.DEFINE_integer("warmup", 3, "untimed calls after the compiling one", lower_bound=0)
 flags.DEFINE_list("only", list(GROUPS), f"groups to run: {', '.join(GROUPS)}")
-flags.DEFINE_list("mosaic_tiles", ["64x128x64x4", "128x128x64x4"],
-                  "tile shapes BMxBNxBKxSTAGES of meshmoe's Mosaic GPU grouped GEMM rows, one row each "
-                  "(pallas_kernels/mosaic_tiles.py; the first is the kernels' default)")
+flags.DEFINE_list("mosaic_tiles", ["64x128x64x4", "128x128x64x4", "128x256x64x3x2"],
+                  "tile shapes BMxBNxBKxSTAGES[xCONSUMERS] of meshmoe's Mosaic GPU grouped GEMM rows, one row "
+                  "each (pallas_kernels/mosaic_tiles.py; the first is the kernels' default, the last Hopper's "
+                  "warp-specialised layout)")
 flags.DEFINE_float("peak_tflops", 0.0, "dense bf16 peak TFLOP/s of the device (0: look up its kind)")
 flags.DEFINE_bool("platform_check", True, "require a GPU (--noplatform_check: run the CPU versions)")
 flags.DEFINE_string("json_out", None, "also write the rows as JSON lines to this file")
@@ -228,17 +231,20 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
 
 
 def parse_tiles(text: str):
-  """`BMxBNxBKxSTAGES` (e.g. 128x128x64x4) as mosaic_tiles.Tiles."""
+  """`BMxBNxBKxSTAGES[xCONSUMERS]` (e.g. 128x128x64x4, or 128x256x64x3x2 warp-specialised) as
+  mosaic_tiles.Tiles."""
   from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
   parts = text.split("x")
-  if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-    raise ValueError(f"--mosaic_tiles entry {text!r}: BMxBNxBKxSTAGES, four positive integers (e.g. 64x128x64x4)")
+  if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"--mosaic_tiles entry {text!r}: BMxBNxBKxSTAGES[xCONSUMERS], four or five positive "
+                     "integers (e.g. 64x128x64x4 or 128x256x64x3x2)")
   return Tiles(*map(int, parts))
 
 
 def tile_name(tiles) -> str:
-  return f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.stages}"
+  consumers = f"x{tiles.consumers}" if tiles.consumers > 1 else ""
+  return f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.stages}{consumers}"
 
 
 def mosaic_gemm_row(row: Row, tiles, x, w, dy, tile_plan, mesh, num_sms, reference, not_here) -> Row:
@@ -287,7 +293,6 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
 
   from meshmoe.pallas_kernels import mosaic_tiles
   from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
-  ws_tiles = mosaic_tiles.Tiles(128, 128, 64, 3)  # 128 x 256 output tiles with two consumer warpgroups
   from meshmoe.sharding import tokamax_gemm
   from meshmoe.sharding.plan import Hardware
 
@@ -321,7 +326,7 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
       # Warp-specialised: a producer warpgroup and two consumers on 128 x 256 output tiles.
       "mosaic_ws_128x256": (lambda x, dy: weight_gradient.weight_gradient(
           x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
-          num_sms=hardware.num_sms or None, tiles=ws_tiles, consumers=2)) if hopper else None,
+          num_sms=hardware.num_sms or None, tiles=mosaic_tiles.HOPPER_TILES)) if hopper else None,
       "ragged_dot": lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16),
       "dense_loop": lambda x, dy: jnp.stack([x[offsets[i]:offsets[i + 1]].T @ dy[offsets[i]:offsets[i + 1]]
                                              for i in range(e)]),
@@ -332,7 +337,7 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
     if fn is None:
       rows.append(skipped(row, why_no_tokamax if name == "tokamax" else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
     elif name.startswith("mosaic") and (why := weight_gradient.unsupported(
-        k, n, jnp.bfloat16, *((ws_tiles, 2) if name == "mosaic_ws_128x256" else ()))
+        k, n, jnp.bfloat16, *((mosaic_tiles.HOPPER_TILES,) if name == "mosaic_ws_128x256" else ()))
         or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
                  for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m), None)):
       rows.append(skipped(row, why))
@@ -380,24 +385,26 @@ def ffn_rows(m: int, e: int, d: int, f: int, device, on_gpu: bool) -> list[Row]:
     return jax.lax.ragged_dot(hidden, down, sizes)
 
   mesh = Mesh(np.array([device]), ("x",))
-  tm = mosaic_tiles.DEFAULT_TILES.block_m
   num_sms = hardware.num_sms or None
 
-  def fused(x, gate, up, down, experts):  # per device of a ring of one
-    plan = moe_routing.make_tile_plan(experts.reshape(-1), ("x",), e, tm)
-    options = dict(backend="mosaic_gpu", num_sms=num_sms)
-    hidden = dispatch_api.dispatch_swiglu(x, gate, up, plan, ("x",), tile_rows=tm, **options)
+  def fused(x, gate, up, down, experts, tiles):  # per device of a ring of one
+    plan = moe_routing.make_tile_plan(experts.reshape(-1), ("x",), e, tiles.block_m)
+    options = dict(backend="mosaic_gpu", num_sms=num_sms, tiles=tiles)
+    hidden = dispatch_api.dispatch_swiglu(x, gate, up, plan, ("x",), tile_rows=tiles.block_m, **options)
     return return_api.gemm_return((hidden,), (down,), plan, ("x",), **options)
 
-  why_not_fused = (None if hopper else "meshmoe's Mosaic GPU kernels need a Hopper GPU") or dispatch_api.unsupported(
-      d, [f, f], jnp.bfloat16)
+  # The fused kernels with one warpgroup per block (the default) and warp-specialised (Hopper's layout).
+  layouts = {"mosaic_fused": mosaic_tiles.DEFAULT_TILES, "mosaic_fused_ws": mosaic_tiles.HOPPER_TILES}
+  why_not_fused = {name: (None if hopper else "meshmoe's Mosaic GPU kernels need a Hopper GPU")
+                   or dispatch_api.unsupported(d, [f, f], jnp.bfloat16, tiles) for name, tiles in layouts.items()}
   label = f"M={m} D={d} F={f} E={e}"
   rows = []
   for mode in ("fwd", "fwd+bwd"):
-    for name, ffn in (("mosaic_fused", fused), ("xla_unfused", unfused)):
+    ffns = [(name, functools.partial(fused, tiles=tiles)) for name, tiles in layouts.items()]
+    for name, ffn in ffns + [("xla_unfused", unfused)]:
       row = Row("ffn", name, label, mode, 6.0 * m * d * f * (1 if mode == "fwd" else 3))
-      if name == "mosaic_fused" and why_not_fused:
-        rows.append(skipped(row, why_not_fused))
+      if why_not_fused.get(name):
+        rows.append(skipped(row, why_not_fused[name]))
         continue
       if mode == "fwd":
         call = lambda x, gate, up, down, experts, dy, ffn=ffn: ffn(x, gate, up, down, experts)
@@ -405,7 +412,7 @@ def ffn_rows(m: int, e: int, d: int, f: int, device, on_gpu: bool) -> list[Row]:
         def call(x, gate, up, down, experts, dy, ffn=ffn):
           y, pullback = jax.vjp(lambda *params: ffn(*params, experts), x, gate, up, down)
           return y, pullback(dy)
-      if name == "mosaic_fused":
+      if name in layouts:
         out_specs = P("x") if mode == "fwd" else (P("x"), (P("x"),) * 4)
         call = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=out_specs, check_vma=True))
       else:

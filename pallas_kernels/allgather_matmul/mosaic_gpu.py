@@ -34,9 +34,9 @@ def allgather_matmul(x_MK: jax.Array, w_KN: jax.Array, axes: Axes, *, num_blocks
   steps, m_tiles = max(p - 1, 1), m // tiles.block_m
   scratch = [gpu_machine.arrival_type((steps, m_tiles)), gpu_machine.notice_type(num_blocks, (steps, m_tiles))]
   outs = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p),
+      functools.partial(protocol.run, p=p), machine,
       out_type=(ring.out_type((p, m, n), x_MK.dtype, x_MK, w_KN, axes=axes),
                 ring.out_type((p, m, k), x_MK.dtype, x_MK, w_KN, axes=axes)),
-      scratch_types=scratch if p > 1 else [], num_blocks=num_blocks, interpret=interpret,
+      scratch_types=scratch if p > 1 else [], interpret=interpret,
   )(x_MK, w_KN)
   return tuple(ring.varying_like(out, x_MK, w_KN, axes=axes) for out in outs)

@@ -4,8 +4,8 @@
 
 For each expert e, its contiguous rows of x transposed times theirs of dy (reference.py). Backends:
 "collectives" and "tpu_interpret" use XLA's transposed ragged dot (no twin: nothing
-communicates); "mosaic_gpu" the Hopper kernel, which reads only each expert's own rows, with `consumers`
-> 1 warp-specialised (mosaic_gpu.py). The MoE kernels' backward passes (moe_backends.py) call this for the
+communicates); "mosaic_gpu" the Hopper kernel, which reads only each expert's own rows, with
+`tiles.consumers` > 1 warp-specialised (mosaic_gpu.py). The MoE kernels' backward passes (moe_backends.py) call this for the
 expert weights' gradients, with one consumer until the two layouts are timed on a GPU.
 
 Legend: R rows, D and F the two widths, E experts, TM rows per tile.
@@ -22,16 +22,15 @@ from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
 def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: jax.Array, *, tile_rows: int,
                     backend: str, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
-                    num_sms: int | None = None, consumers: int = 1) -> jax.Array:
+                    num_sms: int | None = None) -> jax.Array:
   ring.check_backend(backend)
   if backend == "mosaic_gpu":
     return mosaic_gpu.weight_gradient(x_RD, dy_RF.astype(x_RD.dtype), rows_E, like, tile_rows=tile_rows,
-                                      tiles=tiles, num_blocks=sm_budget.kernel_blocks(backend, num_sms),
-                                      consumers=consumers)
+                                      tiles=tiles, num_blocks=sm_budget.kernel_blocks(backend, num_sms))
   return reference.weight_gradient(x_RD, dy_RF, rows_E, like)
 
 
-def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, consumers: int = 1,
+def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
                 tile_rows: int | None = None) -> str | None:
   """Why the Mosaic GPU kernel cannot take widths D and F (None when it can)."""
-  return mosaic_gpu.unsupported(d, f, dtype, tiles, consumers, tile_rows)
+  return mosaic_gpu.unsupported(d, f, dtype, tiles, tile_rows)

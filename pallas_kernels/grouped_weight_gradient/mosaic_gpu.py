@@ -8,10 +8,11 @@ operand read straight from shared memory) into float32 registers. Only the exper
 the FLOPs are those of the rows that exist, where XLA's transposed ragged dot computes every expert over
 every row.
 
-With `consumers` = 2 (or more) the kernel is warp-specialised, the Hopper GEMM layout: each thread block
-runs a producer warpgroup, which only issues the TMA loads of `tiles.stages` row tiles ahead, and
-`consumers` warpgroups, each multiplying its own block_n columns of a block_m x (consumers x block_n)
-output tile (128 x 256 with block_m = block_n = 128), one WGMMA left in flight across row tiles. The
+With `tiles.consumers` = 2 (or more) the kernel is warp-specialised, the Hopper GEMM layout: each thread
+block runs a producer warpgroup, which only issues the TMA loads of `tiles.stages` row tiles ahead, and
+`consumers` warpgroups, each multiplying its own block_n / consumers columns of a block_m x block_n output
+tile (Tiles(128, 256, 64, 3, 2): 128 x 256, two consumers of 128 columns), one WGMMA left in flight across
+row tiles. The
 producer waits only for a slot the consumers have released, so loads run ahead of the multiplies; the
 consumers store their halves of the tile through shared memory while the producer loads the next tile's
 rows. Untimed so far:
@@ -23,6 +24,7 @@ Legend: R rows, D and F the two widths, E experts, TM rows per tile, C consumer 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,19 +40,17 @@ from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 PRODUCER_REGISTERS = 40
 
 
-def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES, consumers: int = 1,
+def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
                 tile_rows: int | None = None) -> str | None:
   """Why this kernel cannot take widths D and F (None when it can): D in WGMMA-height tiles, F in
-  block_n x `consumers` tiles, and with warp specialisation the pipeline's shared memory within Hopper's."""
-  if consumers < 1:
-    return f"consumers={consumers} (at least one warpgroup multiplies)"
-  reason = mosaic_tiles.unsupported(dtype, {"D": (d, tiles.block_m), "F": (f, tiles.block_n * consumers)}, tiles)
-  if reason or consumers == 1:
+  block_n tiles, and with warp specialisation the pipeline's shared memory within Hopper's."""
+  reason = mosaic_tiles.unsupported(dtype, {"D": (d, tiles.block_m), "F": (f, tiles.block_n)}, tiles)
+  if reason or tiles.consumers == 1:
     return reason
-  tm = tile_rows or tiles.block_m
+  tm, consumers = _step_rows(tile_rows or tiles.block_m, tiles), tiles.consumers
   itemsize = jnp.dtype(dtype).itemsize
-  needed = (tiles.stages * tm * (tiles.block_m + consumers * tiles.block_n)  # the pipeline's row tiles
-            + consumers * tiles.block_m * tiles.block_n) * itemsize  # each consumer's output slot
+  needed = (tiles.stages * tm * (tiles.block_m + tiles.block_n)  # the pipeline's row tiles
+            + tiles.block_m * tiles.block_n) * itemsize  # the consumers' output slots
   if needed > mosaic_tiles.SHARED_MEMORY_BYTES:
     return (f"tiles {tiles} with {consumers} consumers and {tm}-row tiles need {needed} bytes of shared memory, "
             f"more than {mosaic_tiles.SHARED_MEMORY_BYTES}")
@@ -58,20 +58,20 @@ def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES
 
 
 def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: jax.Array, *, tile_rows: int,
-                    tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_blocks: int, consumers: int = 1,
-                    interpret=None) -> jax.Array:
+                    tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_blocks: int, interpret=None) -> jax.Array:
   """dw_EDF in `like`'s dtype, as reference.weight_gradient; rows_E must be multiples of tile_rows.
-  `consumers` > 1: the warp-specialised kernel (module docstring)."""
+  tiles.consumers > 1: the warp-specialised kernel (module docstring)."""
   d, f, num_experts = x_RD.shape[1], dy_RF.shape[1], rows_E.shape[0]
-  reason = unsupported(d, f, x_RD.dtype, tiles, consumers, tile_rows)
+  reason = unsupported(d, f, x_RD.dtype, tiles, tile_rows)
   if reason or dy_RF.dtype != x_RD.dtype:
     raise ValueError(f"grouped weight-gradient kernel: {reason or 'x and dy dtypes differ'}")
+  tile_rows = _step_rows(tile_rows, tiles)
   tiles_E = (rows_E // tile_rows).astype(jnp.int32)
   first_E = jnp.cumsum(tiles_E) - tiles_E
   out_type = jax.ShapeDtypeStruct((num_experts, d, f), like.dtype)
-  if consumers > 1:
-    body = functools.partial(_warp_specialized, tiles=tiles, tile_rows=tile_rows, consumers=consumers)
-    dw = plgpu.kernel(body, out_type=out_type, grid=(num_blocks,), grid_names=("sm",), num_threads=consumers + 1,
+  if tiles.consumers > 1:
+    body = functools.partial(_warp_specialized, tiles=tiles, tile_rows=tile_rows)
+    dw = plgpu.kernel(body, out_type=out_type, grid=(num_blocks,), grid_names=("sm",), num_threads=tiles.consumers + 1,
                       thread_name="wg", compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
                       )(first_E, tiles_E, x_RD, dy_RF)
     return ring.varying_like(dw, like)
@@ -120,11 +120,17 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
   return ring.varying_like(dw, like)
 
 
-def _warp_specialized(first_ref, count_ref, x_ref, dy_ref, out_ref, *, tiles: Tiles, tile_rows: int, consumers: int):
+def _step_rows(tile_rows: int, tiles: Tiles) -> int:
+  """Rows multiplied per step: the plan's tile rows, or block_k of them where a tile is taller (a 128-row
+  tile of the Hopper layout is two steps), so the pipeline's row tiles fit in shared memory."""
+  return math.gcd(tile_rows, tiles.block_k)
+
+
+def _warp_specialized(first_ref, count_ref, x_ref, dy_ref, out_ref, *, tiles: Tiles, tile_rows: int):
   """The warp-specialised kernel body, run by every warpgroup of a block (module docstring)."""
   num_experts, d, f = out_ref.shape
-  bd, bf, tm = tiles.block_m, tiles.block_n, tile_rows
-  d_tiles, f_tiles = d // bd, f // (consumers * bf)
+  consumers, bd, bf, tm = tiles.consumers, tiles.block_m, tiles.consumer_columns, tile_rows
+  d_tiles, f_tiles = d // bd, f // tiles.block_n
   wg = lax.axis_index("wg")
 
   def pipeline(body, compute_context, grid, first, di, fi):

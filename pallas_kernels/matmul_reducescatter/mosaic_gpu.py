@@ -34,11 +34,11 @@ def matmul_reducescatter(y_PMK: jax.Array, w_KN: jax.Array, axes: Axes, *, num_b
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   steps, items = max(p - 1, 1), (m // tiles.block_m) * (n // tiles.block_n)
   out_MN, _ = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p),
+      functools.partial(protocol.run, p=p), machine,
       out_type=(ring.out_type((m, n), y_PMK.dtype, y_PMK, w_KN, axes=axes),
                 # Per step, the partial sums my left neighbour puts here; each slot is written once.
                 ring.out_type((steps, m, n), y_PMK.dtype, y_PMK, w_KN, axes=axes)),
       scratch_types=[gpu_machine.arrival_type((steps, items))] if p > 1 else [],
-      num_blocks=num_blocks, interpret=interpret,
+      interpret=interpret,
   )(y_PMK, w_KN)
   return ring.varying_like(out_MN, y_PMK, w_KN, axes=axes)

@@ -47,10 +47,10 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan
   out_type += [ring.out_type((r_tiles * tm, f), xs_SD.dtype, xs_SD, *weights, axes=axes)
                for f in ([widths[0]] * swiglu_epilogue.num_outputs(swiglu) if swiglu else widths)]
   outs = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p, num_weights=len(weights), swiglu=swiglu, transposed=transposed),
+      functools.partial(protocol.run, p=p, num_weights=len(weights), swiglu=swiglu, transposed=transposed), machine,
       out_type=out_type,
       scratch_types=[gpu_machine.arrival_type((r_tiles,))] if p > 1 else [],
-      num_blocks=num_blocks, interpret=interpret,
+      interpret=interpret, transpose_b=transposed,
   )(*(getattr(plan, name) for name in SCALARS), xs_SD, *weights)
   return tuple(ring.varying_like(out, xs_SD, *weights, axes=axes) for out in outs)
 
@@ -64,7 +64,7 @@ def swiglu_gradient(xr_RD: jax.Array, dh_RF: jax.Array, gate: jax.Array, up: jax
   machine = gpu_machine.GpuMachine((), num_blocks, tiles)
   operands = (xr_RD, dh_RF, gate, up)
   out_type = [ring.out_type(dh_RF.shape, xr_RD.dtype, *operands)] * 2
-  outs = gpu_machine.launch(functools.partial(swiglu_epilogue.gradient_kernel, machine), out_type=out_type,
-                            scratch_types=[], num_blocks=num_blocks, interpret=interpret)(
+  outs = gpu_machine.launch(swiglu_epilogue.gradient_kernel, machine, out_type=out_type, scratch_types=[],
+                            interpret=interpret)(
       plan.recv_expert, plan.num_recv, *operands)
   return tuple(ring.varying_like(out, *operands) for out in outs)

@@ -40,9 +40,9 @@ def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Til
     raise ValueError(f"MoE GEMM return kernel: {reason}")
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   ret_SD = gpu_machine.launch(
-      functools.partial(protocol.run, machine, p=p, num_inputs=len(hs), transposed=transposed),
+      functools.partial(protocol.run, p=p, num_inputs=len(hs), transposed=transposed), machine,
       out_type=ring.out_type((s_tiles * tm, d), dtype, *hs, *weights, axes=axes),
       scratch_types=[gpu_machine.arrival_type((s_tiles * (d // tiles.block_n),))] if p > 1 else [],
-      num_blocks=num_blocks, interpret=interpret,
+      interpret=interpret, transpose_b=transposed,
   )(*(getattr(plan, name) for name in SCALARS), *hs, *weights)
   return ring.varying_like(ret_SD, *hs, *weights, axes=axes)

@@ -133,7 +133,10 @@ def test_unsupported_names_the_shape_that_does_not_tile():
 
 
 @pytest.mark.slow
-def test_mosaic_kernels_compile_for_8_h100s_forward_and_backward():
+@pytest.mark.parametrize("tiles", [mosaic_tiles.DEFAULT_TILES, mosaic_tiles.HOPPER_TILES],
+                         ids=["one-warpgroup", "warp-specialised"])
+def test_mosaic_kernels_compile_for_8_h100s_forward_and_backward(tiles):
+  """Warp-specialised: Hopper's 128 x 256 tiles, a producer and two consumers (gpu_warp_specialized.py)."""
   mesh = harness.h100_mesh(8)
   m, k, n = 128, 256, 256
   x = harness.abstract(mesh, (8 * m, k), jnp.bfloat16, P("x"))
@@ -143,7 +146,8 @@ def test_mosaic_kernels_compile_for_8_h100s_forward_and_backward():
   def loss_and_grads(op):
     def per_device(a, w):
       loss, grads = jax.value_and_grad(
-          lambda a, w: jnp.sum(op(a, w, "x", backend="mosaic_gpu", num_sms=harness.h100_sms()).astype(jnp.float32)),
+          lambda a, w: jnp.sum(op(a, w, "x", backend="mosaic_gpu", num_sms=harness.h100_sms(),
+                                  tiles=tiles).astype(jnp.float32)),
           argnums=(0, 1))(a, w)
       return loss[None], grads
     return harness.per_device(per_device, mesh, (P("x"), P("x")), (P("x"), (P("x"), P("x"))), check_vma=True)
@@ -155,8 +159,11 @@ def test_mosaic_kernels_compile_for_8_h100s_forward_and_backward():
       assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo, (op.__name__, collective)
 
 
-@pytest.mark.parametrize("num_blocks", [1, 3])
-def test_mosaic_compute_path_equals_the_reference(num_blocks):
+@pytest.mark.parametrize("num_blocks,tiles", [(1, mosaic_tiles.DEFAULT_TILES), (3, mosaic_tiles.DEFAULT_TILES),
+                                              (2, mosaic_tiles.Tiles(64, 128, 64, 2, consumers=2))],
+                         ids=["1-block", "3-blocks", "warp-specialised"])
+def test_mosaic_compute_path_equals_the_reference(num_blocks, tiles):
+  """Warp-specialised: a producer and two consumers of 64 columns each (gpu_warp_specialized.py)."""
   mesh = harness.one_device_ring()
   m, k, n = 128, 128, 256  # 2 x 2 output tiles of 2 K steps, spread over `num_blocks` blocks
   keys = jax.random.split(jax.random.key(2), 3)
@@ -166,12 +173,13 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks):
   spec = P("x")
   run = lambda fn, in_specs: harness.per_device(fn, mesh, in_specs, spec)
 
-  out = run(lambda x, w: allgather_mosaic.allgather_matmul(x, w, ("x",), num_blocks=num_blocks,
-                                                           interpret=harness.GPU_INTERPRET)[0], (spec, P()))(x, w)
+  out, gathered = run(lambda x, w: allgather_mosaic.allgather_matmul(x, w, ("x",), num_blocks=num_blocks, tiles=tiles,
+                                                                     interpret=harness.GPU_INTERPRET), (spec, P()))(x, w)
   expected = run(lambda x, w: allgather_api.allgather_matmul(x, w, "x", backend="collectives"), (spec, P()))(x, w)
   assert_close(out.astype(jnp.float32), expected.astype(jnp.float32), harness.BF16_RTOL, "all-gather GEMM")
+  np.testing.assert_array_equal(np.asarray(gathered[0]), np.asarray(x), "the gathered block is my own")
 
-  out = run(lambda y, w: scatter_mosaic.matmul_reducescatter(y, w, ("x",), num_blocks=num_blocks,
+  out = run(lambda y, w: scatter_mosaic.matmul_reducescatter(y, w, ("x",), num_blocks=num_blocks, tiles=tiles,
                                                              interpret=harness.GPU_INTERPRET), (spec, P()))(y, w)
   expected = run(lambda y, w: scatter_api.matmul_reducescatter(y, w, "x", backend="collectives"), (spec, P()))(y, w)
   assert_close(out.astype(jnp.float32), expected.astype(jnp.float32), harness.BF16_RTOL, "GEMM reduce-scatter")

@@ -36,21 +36,20 @@ def _numpy(x, dy, rows) -> np.ndarray:
   return np.stack([x[s:s + n].T @ dy[s:s + n] for s, n in zip(starts, np.asarray(rows))])
 
 
-# (tiles, consumer warpgroups): the one-warpgroup kernel, and the warp-specialised one with a producer and
-# two consumers on 64 x 128 and 64 x 256 output tiles (the 128-row tiles compile below; the interpreter
-# runs them too, slower).
-LAYOUTS = [(mosaic_tiles.DEFAULT_TILES, 1), (Tiles(64, 64, 64, 2), 2), (Tiles(64, 128, 64, 3), 2)]
+# The one-warpgroup kernel, and the warp-specialised one with a producer and two consumers on 64 x 128 and
+# 64 x 256 output tiles (the 128-row tiles compile below; the interpreter runs them too, slower).
+LAYOUTS = [mosaic_tiles.DEFAULT_TILES, Tiles(64, 128, 64, 2, consumers=2), Tiles(64, 256, 64, 3, consumers=2)]
 
 
-@pytest.mark.parametrize("tiles,consumers", LAYOUTS, ids=["one-warpgroup", "ws-64x128", "ws-64x256"])
+@pytest.mark.parametrize("tiles", LAYOUTS, ids=["one-warpgroup", "ws-64x128", "ws-64x256"])
 @pytest.mark.parametrize("tiles_per_expert", [[2, 0, 3], [0, 0, 5, 0], [1, 1, 1, 1, 1]], ids=["gap", "one", "even"])
-def test_kernel_equals_a_sum_per_expert(tiles_per_expert, tiles, consumers):
+def test_kernel_equals_a_sum_per_expert(tiles_per_expert, tiles):
   x, dy, rows = _case(tiles_per_expert)
   like = jnp.zeros((len(tiles_per_expert), x.shape[1], dy.shape[1]), jnp.float32)
   mesh = harness.one_device_ring()
   run = lambda fn: harness.per_device(fn, mesh, (P(),) * 4, P())(x, dy, rows, like)
   got = run(lambda x, dy, rows, like: mosaic_gpu.weight_gradient(x, dy, rows, like, tile_rows=TM, tiles=tiles,
-                                                                 num_blocks=3, consumers=consumers,
+                                                                 num_blocks=3,
                                                                  interpret=harness.GPU_INTERPRET))
   # float32 output, bfloat16 inputs: only the summation order differs from float64.
   assert_close(got, _numpy(x, dy, rows), FP32_MODULE_RTOL, "kernel")
@@ -59,19 +58,18 @@ def test_kernel_equals_a_sum_per_expert(tiles_per_expert, tiles, consumers):
 
 
 # Mixtral-8x7B's expert widths (D 4096, F 14336) with the Hopper tile: 128 x 256, two consumers, 3 stages.
-HOPPER_TILES = Tiles(128, 128, 64, 3)
+HOPPER_TILES = mosaic_tiles.HOPPER_TILES
 
 
-@pytest.mark.parametrize("d,f,tiles,consumers", [(256, 512, mosaic_tiles.DEFAULT_TILES, 1),
-                                                 (4096, 14336, HOPPER_TILES, 2)], ids=["one-warpgroup", "ws-128x256"])
-def test_kernel_compiles_for_an_h100(d, f, tiles, consumers):
+@pytest.mark.parametrize("d,f,tiles", [(256, 512, mosaic_tiles.DEFAULT_TILES), (4096, 14336, HOPPER_TILES)],
+                         ids=["one-warpgroup", "ws-128x256"])
+def test_kernel_compiles_for_an_h100(d, f, tiles):
   mesh = harness.h100_mesh(1)
   args = [harness.abstract(mesh, (8 * TM, d), jnp.bfloat16, P()),
           harness.abstract(mesh, (8 * TM, f), jnp.bfloat16, P()),
           harness.abstract(mesh, (4,), jnp.int32, P()), harness.abstract(mesh, (4, d, f), jnp.bfloat16, P())]
   hlo = jax.jit(lambda x, dy, rows, like: api.weight_gradient(x, dy, rows, like, tile_rows=TM, backend="mosaic_gpu",
-                                                                    num_sms=harness.h100_sms(), tiles=tiles,
-                                                                    consumers=consumers)
+                                                                    num_sms=harness.h100_sms(), tiles=tiles)
                 ).lower(*args).compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text()
   assert 'custom_call_target="mosaic_gpu' in hlo and " dot(" not in hlo
 
@@ -80,7 +78,8 @@ def test_unsupported_names_the_width():
   assert api.unsupported(128, 256, jnp.bfloat16) is None
   assert "D=96" in api.unsupported(96, 256, jnp.bfloat16)
   assert "F=64" in api.unsupported(128, 64, jnp.bfloat16)
-  assert "F=384" in api.unsupported(128, 384, jnp.bfloat16, HOPPER_TILES, consumers=2)  # 256-wide tiles
-  assert api.unsupported(4096, 14336, jnp.bfloat16, HOPPER_TILES, consumers=2, tile_rows=TM) is None
+  assert "F=384" in api.unsupported(128, 384, jnp.bfloat16, HOPPER_TILES)  # 256-wide tiles
+  assert api.unsupported(4096, 14336, jnp.bfloat16, HOPPER_TILES, tile_rows=TM) is None
   # Four stages of 64-row tiles 128 + 256 wide, and two 128 x 128 output slots: 256 KB, more than Hopper has.
-  assert "shared memory" in api.unsupported(4096, 14336, jnp.bfloat16, Tiles(128, 128, 64, 4), consumers=2)
+  assert "shared memory" in api.unsupported(4096, 14336, jnp.bfloat16, Tiles(128, 256, 64, 4, consumers=2))
+  assert "consumer warpgroups" in api.unsupported(128, 256, jnp.bfloat16, Tiles(128, 96, 64, 3, consumers=2))

@@ -31,12 +31,12 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from meshmoe.analysis import deviceless
-from meshmoe.pallas_kernels import moe_routing, ring
+from meshmoe.pallas_kernels import moe_routing, mosaic_tiles, ring
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api, mosaic_gpu as dispatch_mosaic
 from meshmoe.pallas_kernels.moe_dispatch_gemm import reference as dispatch_reference, tpu as dispatch_tpu
 from meshmoe.pallas_kernels.moe_gemm_return import api as return_api, mosaic_gpu as return_mosaic
 from meshmoe.pallas_kernels.moe_gemm_return import tpu as return_tpu
-from meshmoe.pallas_kernels.mosaic_tiles import Tiles
+from meshmoe.pallas_kernels.mosaic_tiles import DEFAULT_TILES, Tiles
 from tests.pallas_kernels import harness
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
@@ -261,8 +261,15 @@ def test_mosaic_kernels_of_a_moe_layer_compile_for_8_h100s_forward_and_backward(
     assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo, collective
 
 
-@pytest.mark.parametrize("num_blocks,transposed", [(1, False), (3, False), (3, True)])
-def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed):
+# Warp-specialised blocks (gpu_warp_specialized.py): a producer and two consumers of 64 columns each.
+WS_TILES = Tiles(64, 128, 64, 2, consumers=2)
+
+
+@pytest.mark.parametrize("num_blocks,transposed,tiles", [(1, False, DEFAULT_TILES), (3, False, DEFAULT_TILES),
+                                                         (3, True, DEFAULT_TILES), (3, False, WS_TILES),
+                                                         (2, True, WS_TILES)],
+                         ids=["1-block", "3-blocks", "transposed", "ws", "ws-transposed"])
+def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed, tiles):
   """With `transposed`, the kernels get the weights stored transposed and multiply them transposed (as
   the backward passes do)."""
   mesh = harness.one_device_ring()
@@ -284,7 +291,7 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed):
       return xr, h, gemm_return((h,), (down,), plan, ("x",))
     return harness.per_device(per_device, mesh, (P("x"),) * 4, (P("x"),) * 3)
 
-  options = dict(num_blocks=num_blocks, transposed=transposed, interpret=harness.GPU_INTERPRET)
+  options = dict(num_blocks=num_blocks, transposed=transposed, tiles=tiles, interpret=harness.GPU_INTERPRET)
   stored = (lambda w: jnp.swapaxes(w, 1, 2)) if transposed else (lambda w: w)
   kernel = lambda xs, ws, plan, axes: dispatch_mosaic.dispatch_gemm(xs, tuple(map(stored, ws)), plan, axes, **options)
   back = lambda hs, ws, plan, axes: return_mosaic.gemm_return(hs, tuple(map(stored, ws)), plan, axes, **options)
@@ -294,7 +301,8 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed):
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
 
 
-def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference():
+@pytest.mark.parametrize("tiles", [DEFAULT_TILES, WS_TILES], ids=["one-warpgroup", "warp-specialised"])
+def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference(tiles):
   """The "keep" epilogue (hidden units, gate and up) and the "recompute" gradient kernel."""
   mesh = harness.one_device_ring()
   tokens, d, f, e_local = 96, 256, 128, 3
@@ -315,9 +323,10 @@ def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference():
       return (*products, *gradient(xr, dh_RF, gate, up, plan))
     return harness.per_device(per_device, mesh, (P("x"),) * 5, (P("x"),) * 5)
 
-  got = stages(functools.partial(dispatch_mosaic.dispatch_gemm, num_blocks=3, swiglu="keep",
+  got = stages(functools.partial(dispatch_mosaic.dispatch_gemm, num_blocks=3, swiglu="keep", tiles=tiles,
                                  interpret=harness.GPU_INTERPRET),
-               functools.partial(dispatch_mosaic.swiglu_gradient, num_blocks=3, interpret=harness.GPU_INTERPRET))(
+               functools.partial(dispatch_mosaic.swiglu_gradient, num_blocks=3, tiles=tiles,
+                                 interpret=harness.GPU_INTERPRET))(
       x, experts, dh, gate, up)
   def reference(*args):  # (xr, hidden units, gate, up)
     xr, gate, up = dispatch_reference.dispatch_gemm(*args)
@@ -326,6 +335,35 @@ def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference():
   want = stages(reference, dispatch_reference.swiglu_gradient)(x, experts, dh, gate, up)
   for g, w, name in zip(got, want, ("hidden units", "gate", "up", "gate gradient", "up gradient")):
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
+
+
+@pytest.mark.slow
+def test_warp_specialised_kernels_of_a_moe_layer_compile_for_8_h100s_at_mixtral_widths():
+  """Hopper's layout (mosaic_tiles.HOPPER_TILES: 128 x 256 tiles, a producer and two consumers, 128-row tiles
+  in the plan) at Mixtral-8x7B's widths over tensor=4, forward and backward: every kernel of the layer,
+  with its semaphores, handoffs and signals on a ring of 8, compiles for H100s."""
+  tiles = mosaic_tiles.HOPPER_TILES
+  mesh = harness.h100_mesh(8)
+  tokens, d, f = 128, 4096, 3584
+  spec = P("x")
+  shapes = [((8 * tokens, d), jnp.bfloat16), ((8 * tokens, TOP_K), jnp.int32),
+            ((8, d, f), jnp.bfloat16), ((8, d, f), jnp.bfloat16), ((8, f, d), jnp.bfloat16)]
+  args = [harness.abstract(mesh, shape, dtype, spec) for shape, dtype in shapes]
+
+  def per_device(x_TD, experts_TK, gate, up, down):
+    def layer(x_TD, gate, up, down):
+      t, k = experts_TK.shape
+      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), 1, tiles.block_m)
+      options = dict(backend="mosaic_gpu", num_sms=harness.h100_sms(), tiles=tiles)
+      h = dispatch_api.dispatch_swiglu(x_TD[jnp.arange(t * k) // k], gate, up, plan, "x", tile_rows=tiles.block_m,
+                                       **options)
+      return jnp.sum(return_api.gemm_return((h,), (down,), plan, "x", **options).astype(jnp.float32))
+    loss, grads = jax.value_and_grad(layer, argnums=(0, 1, 2, 3))(x_TD, gate, up, down)
+    return loss[None], grads
+
+  hlo = harness.per_device(per_device, mesh, (spec,) * 5, (spec, (spec,) * 4), check_vma=True).lower(
+      *args).compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text()
+  assert hlo.count('custom_call_target="mosaic_gpu') >= 8
 
 
 @pytest.mark.slow

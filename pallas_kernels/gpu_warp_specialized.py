@@ -1,0 +1,286 @@
+"""Warp-specialised thread blocks for the fused kernels (Tiles.consumers > 1), with each block's protocol
+unchanged.
+
+A block runs C + 1 warpgroups. The last, the producer, runs every protocol step that moves data into or
+out of the block or waits for another block: the puts to peers, the arrival and notice waits, the
+notices, and the TMA loads of every GEMM's A and B tiles into a ring of `stages` shared-memory slots. The
+C consumers run the WGMMAs, consumer c on columns [c * W, (c + 1) * W) of each block_m x block_n output
+tile (W = block_n / C, Tiles.consumer_columns), and store those columns. Both run the same protocol
+program (each op's protocol.py), each with its own view of the primitives, so the block's protocol is the
+one the twin executes: the same semaphores, counts, signallers and waits. Only who inside the block runs
+each step differs:
+
+| primitive | producer | consumers |
+|---|---|---|
+| `matmul` | loads the A and B tiles into the ring (each slot once the consumers have released it); puts `copies` | wait for a slot's tiles, WGMMA, release the slot one step later |
+| `put` | TMA loads and stores through its staging slots, then the signal | - |
+| `put_value` | - | store their columns; once all are complete, consumer 0 signals |
+| `store`, `zero`, `load` | - (`load` gives 0) | their columns, through their own output slot |
+| `await_arrival`, `await_notice` | waits for the semaphore, then hands off to the consumers | wait for the handoff |
+| `notify` | signals | - |
+
+The producer never holds a tile value (it keeps 40 registers): the arithmetic a protocol does on values
+runs on float32 scalars there, and its stores are skipped.
+
+Why this adds no deadlock and no race (PROTOCOL.md has the block-level argument):
+- Both views run the same item loops in the same order, so inside a block there is one program order,
+  and every intra-block wait is for an event earlier in it: a slot's tiles (loaded before they are
+  consumed), a slot's release (after its previous use), a handoff (after the semaphore wait), the
+  consumers' stores (before the signal).
+- Every intra-block barrier is waited once per phase by each of its waiters, in order, and no arriver
+  can complete a second phase before the waiters have seen the first: a ring slot is refilled only after
+  its release; a handoff is given only after the consumers acknowledged the previous one (they
+  pre-acknowledge once at the start); consumer 0 waits for the consumers' stores right after its own.
+- Consumers read global memory only through the producer's loads, their own loads after a handoff, or
+  kernel inputs; so every read of data from a peer is ordered after the producer's semaphore wait by an
+  mbarrier release and acquire inside the block.
+- A signal of a put_value follows its consumers' complete stores: each consumer waits until its TMA
+  stores are complete before it arrives on `stored`; consumer 0 waits for all arrivals, then signals (a
+  system-scope release).
+
+Legend: C consumers, S stages, W consumer columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from meshmoe.pallas_kernels import gpu_machine, mosaic_tiles
+from meshmoe.pallas_kernels.gpu_machine import GpuMachine
+
+WG = "wg"
+# Registers per thread the producer keeps (no tile values); the consumers share the rest of the register file.
+PRODUCER_REGISTERS = 40
+
+
+def consumer_registers(consumers: int) -> int:
+  """Registers per consumer thread: a block's 64K split after the producer's, at most 256, a multiple of 8."""
+  return int(min(256, (512 - PRODUCER_REGISTERS) / consumers) // 8 * 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+  """A block's shared-memory buffers and barriers, allocated once for all its warpgroups."""
+
+  a_ring: object  # [S, block_m, block_k]
+  b_ring: object  # [S, block_k, block_n], or [S, block_n, block_k] for transposed B
+  a_loaded: object  # S barriers: a slot's A tile has landed
+  b_loaded: object
+  released: object  # S barriers, C arrivals: every consumer is done with a slot
+  out_slots: object  # [C, block_m, W]: each consumer's output tile
+  tile_loaded: object  # C barriers: a consumer's `load` has landed
+  staging: object  # the producer's put chunks (Tiles.staging_shape)
+  staged: object  # the producer's staging load barrier
+  handoff: object  # the producer has waited for a semaphore
+  handoff_taken: object  # C arrivals: every consumer has seen the last handoff
+  stored: object  # C arrivals: every consumer's put_value stores are complete
+
+
+def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool):
+  """(body, launch options) of a warp-specialised kernel that runs `program(view, *refs)` (gpu_machine.launch)."""
+  tiles, consumers = machine.tiles, machine.tiles.consumers
+  dtypes = {jnp.dtype(t.dtype) for t in jax.tree.leaves(out_type)}
+  if len(dtypes) != 1:
+    raise ValueError(f"warp-specialised kernels store every output through one slot dtype, got {sorted(map(str, dtypes))}")
+  dtype = dtypes.pop()
+  s, bm, bn, bk = tiles.stages, tiles.block_m, tiles.block_n, tiles.block_k
+  b_shape = (s, bn, bk) if transpose_b else (s, bk, bn)
+  scratch = dict(
+      a_ring=plgpu.SMEM((s, bm, bk), dtype), b_ring=plgpu.SMEM(b_shape, dtype),
+      a_loaded=plgpu.Barrier(num_barriers=s), b_loaded=plgpu.Barrier(num_barriers=s),
+      released=plgpu.Barrier(num_arrivals=consumers, num_barriers=s),
+      out_slots=plgpu.SMEM((consumers, bm, tiles.consumer_columns), dtype),
+      tile_loaded=plgpu.Barrier(num_barriers=consumers),
+      staging=plgpu.SMEM(tiles.staging_shape(), dtype), staged=plgpu.Barrier(),
+      handoff=plgpu.Barrier(), handoff_taken=plgpu.Barrier(num_arrivals=consumers),
+      stored=plgpu.Barrier(num_arrivals=consumers))
+
+  def body(*refs):
+    def with_shared(**buffers):
+      shared = Shared(**buffers)
+      wg = lax.axis_index(WG)
+
+      @pl.when(wg == consumers)
+      def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        program(Producer(machine, shared), *refs)
+        # Observe the last phase of each barrier the producer waits on: every slot's last release and the
+        # consumers' acknowledgement of the last handoff (each barrier's phases are all observed at the end).
+        for slot in range(s):
+          plgpu.barrier_wait(shared.released.at[slot])
+        plgpu.barrier_wait(shared.handoff_taken)
+
+      @pl.when(wg < consumers)
+      def _consumers():
+        plgpu.set_max_registers(consumer_registers(consumers), action="increase")
+        for slot in range(s):  # every slot starts released, and no handoff is outstanding
+          plgpu.barrier_arrive(shared.released.at[slot])
+        plgpu.barrier_arrive(shared.handoff_taken)
+        program(Consumer(machine, shared), *refs)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the output slot
+
+    pl.run_scoped(with_shared, **scratch, collective_axes=WG)
+
+  return body, dict(num_threads=consumers + 1, thread_name=WG)
+
+
+class Producer(GpuMachine):
+  """The producer warpgroup's view of the primitives (module docstring)."""
+
+  def __init__(self, machine: GpuMachine, shared: Shared):
+    super().__init__(machine.axes, machine.num_blocks, machine.tiles)
+    self.shared = shared
+
+  def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
+    """Puts the A rows to each of `copies` (where `copy_when` holds), then loads the GEMM's tiles."""
+    if copies:
+      @pl.when(copy_when)
+      def _():
+        for dst_ref, peer, arrival in copies:
+          self.put(a_ref, dst_ref, peer, arrival)
+
+    shared, bk = self.shared, self.tiles.block_k
+
+    @pl.loop(0, a_ref.shape[1] // bk)
+    def _load(k):
+      slot, columns = lax.rem(k, self.tiles.stages), mosaic_tiles.column_block(k, bk)
+      plgpu.barrier_wait(shared.released.at[slot])
+      plgpu.copy_gmem_to_smem(a_ref.at[:, columns], shared.a_ring.at[slot], shared.a_loaded.at[slot])
+      b_tile = b_ref.at[:, columns] if transpose_b else b_ref.at[columns, :]
+      plgpu.copy_gmem_to_smem(b_tile, shared.b_ring.at[slot], shared.b_loaded.at[slot])
+
+    return _no_value()
+
+  def load(self, ref) -> jax.Array:
+    return _no_value()
+
+  def store(self, value, ref) -> None:
+    pass
+
+  def zero(self, ref) -> None:
+    pass
+
+  def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
+    gpu_machine.copy_through(self.shared.staging, self.shared.staged, src_ref, gpu_machine._target(dst_ref, peer))
+    if peer is not None:
+      pl.semaphore_signal(arrival, gpu_machine._bytes(dst_ref), device_id=peer)
+
+  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
+    pass
+
+  def await_arrival(self, arrival, region_ref) -> None:
+    self._hand_off(lambda: super(Producer, self).await_arrival(arrival, region_ref))
+
+  def await_notice(self, notices, index) -> None:
+    self._hand_off(lambda: super(Producer, self).await_notice(notices, index))
+
+  def _hand_off(self, wait) -> None:
+    plgpu.barrier_wait(self.shared.handoff_taken)  # the consumers have seen the previous handoff
+    wait()
+    plgpu.barrier_arrive(self.shared.handoff)
+
+
+class Consumer(GpuMachine):
+  """A consumer warpgroup's view of the primitives (module docstring)."""
+
+  def __init__(self, machine: GpuMachine, shared: Shared):
+    super().__init__(machine.axes, machine.num_blocks, machine.tiles)
+    self.shared = shared
+
+  @property
+  def consumer(self) -> jax.Array:
+    return lax.axis_index(WG)
+
+  def _my_columns(self, ref):
+    width = self.tiles.consumer_columns
+    return ref.at[:, pl.ds(pl.multiple_of(self.consumer * width, width), width)]
+
+  def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
+    """This consumer's columns of a_ref @ b_ref, from the tiles the producer loads (`copies` are its too)."""
+    shared, stages = self.shared, self.tiles.stages
+    steps, width = a_ref.shape[1] // self.tiles.block_k, self.tiles.consumer_columns
+    columns = pl.ds(pl.multiple_of(self.consumer * width, width), width)
+
+    def accumulate(acc_ref):
+      @pl.loop(0, steps)
+      def _step(k):
+        slot = lax.rem(k, stages)
+        plgpu.barrier_wait(shared.a_loaded.at[slot])
+        plgpu.barrier_wait(shared.b_loaded.at[slot])
+        b_tile = shared.b_ring.at[slot]
+        plgpu.wgmma(acc_ref, shared.a_ring.at[slot], b_tile.at[columns].T if transpose_b else b_tile.at[:, columns])
+        # The previous step's WGMMA is complete now (one left in flight): release its slot.
+        plgpu.wgmma_wait(1)
+
+        @pl.when(k > 0)
+        def _():
+          plgpu.barrier_arrive(shared.released.at[lax.rem(k + stages - 1, stages)])
+
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(shared.released.at[(steps - 1) % stages])
+      return acc_ref[...]
+
+    return pl.run_scoped(accumulate, plgpu.ACC((self.tiles.block_m, width), jnp.float32))
+
+  def _store_columns(self, value, ref) -> None:
+    """Writes this consumer's columns of a tile through its output slot (not waiting for completion)."""
+    slot = self.shared.out_slots.at[self.consumer]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's previous store has read it
+    slot[...] = value.astype(slot.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(slot, self._my_columns(ref))
+
+  def load(self, ref) -> jax.Array:
+    slot, loaded = self.shared.out_slots.at[self.consumer], self.shared.tile_loaded.at[self.consumer]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.copy_gmem_to_smem(self._my_columns(ref), slot, loaded)
+    plgpu.barrier_wait(loaded)
+    return slot[...]
+
+  def store(self, value, ref) -> None:
+    self._store_columns(value, ref)
+
+  def zero(self, ref) -> None:
+    @pl.loop(0, ref.shape[1] // self.tiles.block_n)
+    def _zero(c):
+      zeros = jnp.zeros((ref.shape[0], self.tiles.consumer_columns), jnp.float32)
+      self._store_columns(zeros, ref.at[:, mosaic_tiles.column_block(c, self.tiles.block_n)])
+
+  def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
+    pass
+
+  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
+    self._store_columns(value, gpu_machine._target(dst_ref, peer))
+    if peer is None:
+      return
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this consumer's columns are there
+    plgpu.barrier_arrive(self.shared.stored)
+
+    @pl.when(self.consumer == 0)
+    def _signal():
+      plgpu.barrier_wait(self.shared.stored)
+      pl.semaphore_signal(arrival, gpu_machine._bytes(dst_ref), device_id=peer)
+
+  def await_arrival(self, arrival, region_ref) -> None:
+    self._take_handoff()
+
+  def await_notice(self, notices, index) -> None:
+    self._take_handoff()
+
+  def notify(self, notices, index, owner) -> None:
+    pass
+
+  def _take_handoff(self) -> None:
+    plgpu.barrier_wait(self.shared.handoff)
+    plgpu.barrier_arrive(self.shared.handoff_taken)
+
+
+def _no_value() -> jax.Array:
+  """What the producer holds for a tile value: a float32 scalar (module docstring)."""
+  return jnp.zeros((), jnp.float32)
