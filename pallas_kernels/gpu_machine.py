@@ -64,7 +64,7 @@ class GpuMachine:
       @pl.when(copy_when)
       def _():
         for dst_ref, peer, _ in copies:
-          plgpu.copy_smem_to_gmem(a_smem, _target(dst_ref, peer).at[:, columns])
+          plgpu.copy_smem_to_gmem(a_smem, peer_ref(dst_ref, peer).at[:, columns])
 
     acc = mosaic_tiles.matmul_tile(a_ref, b_ref, self.tiles, on_a_tile=forward if copies else None,
                                    transpose_b=transpose_b)
@@ -74,7 +74,7 @@ class GpuMachine:
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         for dst_ref, peer, arrival in copies:
           if peer is not None:
-            pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
+            self.signal(arrival, region_bytes(dst_ref), peer)
     return acc
 
   def load(self, ref) -> jax.Array:
@@ -96,20 +96,24 @@ class GpuMachine:
     with up to PUT_SLOTS stores in flight; all are complete before the signal (and before a local copy
     is read, by this block, in the same kernel)."""
     staging = plgpu.SMEM((PUT_SLOTS, src_ref.shape[0], self.tiles.block_n), src_ref.dtype)
-    pl.run_scoped(lambda slots, loaded: copy_through(slots, loaded, src_ref, _target(dst_ref, peer)),
+    pl.run_scoped(lambda slots, loaded: copy_through(slots, loaded, src_ref, peer_ref(dst_ref, peer)),
                   staging, plgpu.Barrier())
     if peer is not None:
-      pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
+      self.signal(arrival, region_bytes(dst_ref), peer)
 
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     """Stores a tile value into `dst_ref` (on `peer`) and, once complete, adds its bytes to `arrival`."""
-    mosaic_tiles.store_tile(value, _target(dst_ref, peer))
+    mosaic_tiles.store_tile(value, peer_ref(dst_ref, peer))
     if peer is not None:
-      pl.semaphore_signal(arrival, _bytes(dst_ref), device_id=peer)
+      self.signal(arrival, region_bytes(dst_ref), peer)
+
+  def signal(self, arrival, count: int, peer) -> None:
+    """Adds `count` to `peer`'s `arrival` semaphore (after the data it counts is complete)."""
+    pl.semaphore_signal(arrival, count, device_id=peer)
 
   def await_arrival(self, arrival, region_ref) -> None:
     """Waits until `region_ref`'s bytes have arrived, and takes them off the count."""
-    pl.semaphore_wait(arrival, _bytes(region_ref))
+    pl.semaphore_wait(arrival, region_bytes(region_ref))
 
   def notify(self, notices, index, owner) -> None:
     pl.semaphore_signal(notices.at[(owner, *index)], 1)
@@ -136,8 +140,8 @@ def copy_through(staging, loaded, src_ref, dst_ref) -> None:
 
   @pl.loop(0, row_chunks * column_chunks)
   def _copy(i):
-    chunk = (mosaic_tiles.column_block(i // column_chunks, rows), mosaic_tiles.column_block(lax.rem(i, column_chunks),
-                                                                                           width))
+    chunk = (pl.ds(pl.multiple_of(i // column_chunks * rows, rows), rows),
+             mosaic_tiles.column_block(lax.rem(i, column_chunks), width))
     slot = lax.rem(i, slots)
     plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's last store has read it
     plgpu.copy_gmem_to_smem(src_ref.at[chunk], staging.at[slot], loaded)
@@ -165,9 +169,11 @@ def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=N
                       interpret=interpret, **grid)
 
 
-def _target(ref, peer):
+def peer_ref(ref, peer):
+  """`ref` on `peer` (a remote reference), or `ref` itself for a local copy (peer None)."""
   return ref if peer is None else plgpu.remote_ref(ref, peer)
 
 
-def _bytes(ref) -> int:
+def region_bytes(ref) -> int:
+  """Bytes of a [rows, width] region: what an arrival semaphore counts for it."""
   return int(jnp.dtype(ref.dtype).itemsize) * int(ref.shape[0]) * int(ref.shape[1])

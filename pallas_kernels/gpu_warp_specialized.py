@@ -167,9 +167,9 @@ class Producer(GpuMachine):
     pass
 
   def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
-    gpu_machine.copy_through(self.shared.staging, self.shared.staged, src_ref, gpu_machine._target(dst_ref, peer))
+    gpu_machine.copy_through(self.shared.staging, self.shared.staged, src_ref, gpu_machine.peer_ref(dst_ref, peer))
     if peer is not None:
-      pl.semaphore_signal(arrival, gpu_machine._bytes(dst_ref), device_id=peer)
+      self.signal(arrival, gpu_machine.region_bytes(dst_ref), peer)
 
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     pass
@@ -256,7 +256,7 @@ class Consumer(GpuMachine):
     pass
 
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
-    self._store_columns(value, gpu_machine._target(dst_ref, peer))
+    self._store_columns(value, gpu_machine.peer_ref(dst_ref, peer))
     if peer is None:
       return
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this consumer's columns are there
@@ -265,7 +265,7 @@ class Consumer(GpuMachine):
     @pl.when(self.consumer == 0)
     def _signal():
       plgpu.barrier_wait(self.shared.stored)
-      pl.semaphore_signal(arrival, gpu_machine._bytes(dst_ref), device_id=peer)
+      self.signal(arrival, gpu_machine.region_bytes(dst_ref), peer)
 
   def await_arrival(self, arrival, region_ref) -> None:
     self._take_handoff()
