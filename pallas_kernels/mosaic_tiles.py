@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from meshmoe.config import KERNEL_TILES
+
 # WGMMA multiplies 16-bit floating point inputs (float32 would need TF32 and different tiles).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Hopper's shared memory per block (opt-in maximum, the figure XLA's H100 spec gives).
@@ -68,8 +70,10 @@ class Tiles:
 STAGING_SLOTS = 2
 DEFAULT_TILES = Tiles()
 # Hopper's GEMM layout: 128 x 256 output tiles, a producer and two consumer warpgroups, 3 stages. Untimed
-# against DEFAULT_TILES so far, so the kernels' callers keep the default (README, "verification").
+# against DEFAULT_TILES so far, so the default stays one warpgroup (README, "verification").
 HOPPER_TILES = Tiles(128, 256, 64, 3, consumers=2)
+# The config's `parallel.kernel_tiles` choices.
+LAYOUTS = dict(zip(KERNEL_TILES, (DEFAULT_TILES, HOPPER_TILES)))
 
 
 def unsupported(dtype, shapes: dict[str, tuple[int, int]], tiles: Tiles) -> str | None:

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
+from meshmoe.pallas_kernels import moe_routing
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
 from meshmoe.sharding import exchange_formats, gradient_sync, grouped_ffn, moe_pipeline, parallel
@@ -168,15 +168,16 @@ def _fused(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, ch
   union = tuple(dict.fromkeys(parallel.varying_axes(x_BSD) + parallel.varying_axes(w.gate_EDF)))
   x_TD = parallel.vary_over(x_BSD.reshape(b * s, d), union)
   gate, up, down = (parallel.vary_over(a.astype(x_BSD.dtype), union) for a in (w.gate_EDF, w.up_EDF, w.down_EFD))
-  tile_rows = mosaic_tiles.DEFAULT_TILES.block_m
+  tile_rows = choice.tiles.block_m  # the kernels' tile height is the plan's
   tile_plan = moe_routing.make_tile_plan(experts_BSK.reshape(-1), axes, w.num_experts, tile_rows)
-  options = dict(tile_rows=tile_rows, backend=backend, num_sms=num_sms)
+  options = dict(tile_rows=tile_rows, backend=backend, num_sms=num_sms, tiles=choice.tiles)
   if activation is grouped_ffn.swiglu_hidden:  # fused into the dispatch kernel: no [R, F] gate or up buffer
     hidden_RF = moe_dispatch_gemm.dispatch_swiglu(x_TD[token_A], gate, up, tile_plan, axes,
                                                   gradient=choice.swiglu_gradient, **options)
   else:
     hidden_RF = activation(*moe_dispatch_gemm.dispatch_gemm(x_TD[token_A], (gate, up), tile_plan, axes, **options))
-  y_AD = moe_gemm_return.gemm_return((hidden_RF,), (down,), tile_plan, axes, backend=backend, num_sms=num_sms)
+  y_AD = moe_gemm_return.gemm_return((hidden_RF,), (down,), tile_plan, axes, backend=backend, num_sms=num_sms,
+                                     tiles=choice.tiles)
   return grouped_ffn.combine(y_AD, weights_BSK.reshape(-1), token_A, b * s).reshape(b, s, d)
 
 

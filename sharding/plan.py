@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshmoe.config import (EXCHANGE_FORMAT_FIELDS, MESH_AXES, Config, ConfigError, ParallelConfig,
                             check_weight_storage)
+from meshmoe.pallas_kernels import mosaic_tiles
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
@@ -177,6 +178,7 @@ class OpChoice:
   detail: str = ""
   kernel_backend: str = ""
   fallback: str = ""
+  tiles: mosaic_tiles.Tiles = mosaic_tiles.DEFAULT_TILES  # fused kernels: their tiles (`parallel.kernel_tiles`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +252,11 @@ class ParallelPlan:
   @property
   def tier(self) -> Tier:
     return TIERS[self.parallel.impl]
+
+  @property
+  def kernel_tiles(self) -> mosaic_tiles.Tiles:
+    """The fused kernels' tiles and thread-block layout (ParallelConfig.kernel_tiles)."""
+    return mosaic_tiles.LAYOUTS[self.parallel.kernel_tiles]
 
   @property
   def two_halves(self) -> bool:
@@ -381,7 +388,7 @@ class ParallelPlan:
     if not gather:
       return OpChoice("local")
     return self._gathered_projection(
-        "project_in (all-gather GEMM)", allgather_matmul.unsupported(rows, d, width, dtype),
+        "project_in (all-gather GEMM)", allgather_matmul.unsupported(rows, d, width, dtype, self.kernel_tiles),
         f"sequence all-gathered over {_describe_axes(self, gather)}")
 
   def project_out(self, scatter: Axes, rows: int, contraction: int, d: int, dtype) -> OpChoice:
@@ -390,7 +397,8 @@ class ParallelPlan:
     if not scatter:
       return OpChoice("local")
     return self._gathered_projection(
-        "project_out (GEMM reduce-scatter)", matmul_reducescatter.unsupported(rows, contraction, d, dtype),
+        "project_out (GEMM reduce-scatter)",
+        matmul_reducescatter.unsupported(rows, contraction, d, dtype, self.kernel_tiles),
         f"sequence reduce-scattered over {_describe_axes(self, scatter)}")
 
   def expert_ffn(self, ep: int, d: int, f: int, dtype) -> ExpertChoice:
@@ -410,14 +418,15 @@ class ParallelPlan:
     formats = self._exchange_formats()
     fused_fallback = ""
     if self.tier.fused_kernels and (fused_fallback := _formats_unsupported_by_kernels(formats)) is None:
+      tiles = self.kernel_tiles
       backend, fused_fallback = self._fused_kernels(
           "MoE dispatch/return",
-          moe_dispatch_gemm.unsupported(d, [f, f], dtype) or moe_gemm_return.unsupported([f], d, dtype))
+          moe_dispatch_gemm.unsupported(d, [f, f], dtype, tiles) or moe_gemm_return.unsupported([f], d, dtype, tiles))
       if backend:
         gradient = self.parallel.moe_swiglu_gradient
         return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
-                            f"grouped GEMM + return over {ep} devices", kernel_backend=backend,
-                            swiglu_gradient=gradient)
+                            f"grouped GEMM + return over {ep} devices{_describe_tiles(tiles)}",
+                            kernel_backend=backend, swiglu_gradient=gradient, tiles=tiles)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
     detail = f"{chunks} chunk(s); tokens by {exchange} over {ep} devices"
@@ -451,7 +460,8 @@ class ParallelPlan:
     if self.tier.fused_kernels:
       backend, fallback = self._fused_kernels(op, unsupported)
       if backend:
-        return OpChoice("fused", detail, kernel_backend=backend)
+        tiles = self.kernel_tiles
+        return OpChoice("fused", detail + _describe_tiles(tiles), kernel_backend=backend, tiles=tiles)
     return OpChoice(self.tier.gathered_projection, detail, fallback=fallback)
 
   def _fused_kernels(self, op: str, unsupported: str | None) -> tuple[str, str]:
@@ -524,6 +534,13 @@ _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
 def axis_sizes(mesh: Mesh) -> dict[str, int]:
   """The size of every mesh axis of the config (1 for an axis a hand-made mesh leaves out)."""
   return {a: mesh.shape.get(a, 1) for a in MESH_AXES}
+
+
+def _describe_tiles(tiles: mosaic_tiles.Tiles) -> str:
+  """How the fused kernels' thread blocks work, for an op's detail (nothing for the default)."""
+  if tiles.consumers == 1:
+    return ""
+  return f"; warp-specialised {tiles.block_m} x {tiles.block_n} tiles ({tiles.consumers} consumer warpgroups)"
 
 
 def _describe_axes(plan: ParallelPlan, axes: Axes) -> str:

@@ -141,7 +141,8 @@ def _fused_in(x_BSD, weights, lay: _Layout, choice, plan) -> list[jax.Array]:
   widths = [math.prod(w.shape[1:]) for w in weights]
   w_KN = jnp.concatenate([w.reshape(d, -1) for w in weights], axis=1)
   out_PMN = allgather_matmul.allgather_matmul(x_BSD.reshape(b * s, d), w_KN, lay.gather,
-                                              backend=choice.kernel_backend, num_sms=plan.hardware.num_sms)
+                                              backend=choice.kernel_backend, num_sms=plan.hardware.num_sms,
+                                              tiles=choice.tiles)
   p = out_PMN.shape[0]
   out_BSN = out_PMN.reshape(p, b, s, -1).transpose(1, 0, 2, 3).reshape(b, p * s, -1)
   splits = jnp.split(out_BSN, list(itertools.accumulate(widths))[:-1], axis=2)
@@ -175,7 +176,8 @@ def _fused_out(y, w, lay: _Layout, choice, plan) -> jax.Array:
   s = ps // p
   y_PMK = y.reshape(b, p, s, -1).transpose(1, 0, 2, 3).reshape(p, b * s, -1)
   out_MN = matmul_reducescatter.matmul_reducescatter(y_PMK, w.reshape(-1, d), lay.gather,
-                                                     backend=choice.kernel_backend, num_sms=plan.hardware.num_sms)
+                                                     backend=choice.kernel_backend, num_sms=plan.hardware.num_sms,
+                                                     tiles=choice.tiles)
   return out_MN.reshape(b, s, d)
 
 

@@ -38,6 +38,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 LAYER_SCHEDULES = ("sequential", "two_halves")
 # How the fused MoE kernels' SwiGLU gets gate and up for its gradient (pallas_kernels/moe_dispatch_gemm/swiglu.py).
 SWIGLU_GRADIENTS = ("recompute", "keep")
+KERNEL_TILES = ("one_warpgroup", "warp_specialized")
 # How the routed experts' gradients are summed over `data` (sharding/gradient_sync.py).
 GRADIENT_COMPRESSIONS = ("none", "bfloat16", "int8", "sign")
 # Raw sources are tokenized into a cache on first use; "tokenized" reads experiments.tokenize's folders.
@@ -164,6 +165,11 @@ class ParallelConfig:
   # "collectives" runs the tier's layouts with each kernel replaced by its plain-collective version (the
   # kernel's reference.py), on any platform (to check the tier on CPU).
   kernel_backend: str = "auto"
+  # impl="pallas" on Hopper: the Mosaic GPU kernels' thread blocks (pallas_kernels/mosaic_tiles.LAYOUTS):
+  # "one_warpgroup" (64 x 128 tiles; one warpgroup loads, multiplies and communicates) or "warp_specialized"
+  # (Hopper's GEMM layout: 128 x 256 tiles, a producer warpgroup loading and communicating, two consumers
+  # multiplying; the MoE tile plan's tiles are 128 rows). Both verified without a GPU; not yet timed.
+  kernel_tiles: str = "one_warpgroup"
   # Attention over a sequence split across devices (sharding/context_parallel.py): "allgather" (gather
   # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
   # from sequence-split to head-split; needs the KV heads divisible by the sequence split).
@@ -223,6 +229,7 @@ class ParallelConfig:
     """Checks every field (Config.validate does, and so does a parallel plan built without a Config)."""
     _check_choice("parallel.impl", self.impl, IMPLS)
     _check_choice("parallel.kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+    _check_choice("parallel.kernel_tiles", self.kernel_tiles, KERNEL_TILES)
     _check_choice("parallel.attention", self.attention, ATTENTION_KINDS)
     _check_choice("parallel.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
     _check_positive_int("parallel.moe_chunks", self.moe_chunks)

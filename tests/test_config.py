@@ -153,6 +153,7 @@ def test_non_negative_loss_weights(field, value):
     ("parallel.impl", "triton", "one of 'reference', 'xla', 'pallas'"),
     ("parallel.kernel_backend", "mosaic_gpu", "one of 'auto', 'collectives'"),
     ("parallel.kernel_backend", "reference", "one of 'auto', 'collectives'"),
+    ("parallel.kernel_tiles", "128x256", "one of 'one_warpgroup', 'warp_specialized'"),
     ("parallel.moe_chunks", 0, "a positive integer"),
     ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
     ("parallel.moe_dispatch_dtype", "fp8", "one of 'auto', 'bfloat16', 'float8_e4m3fn'"),

@@ -80,6 +80,7 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            "mesh.preset": config_lib.PRESETS, "mesh.weight_storage": config_lib.WEIGHT_STORAGES,
            "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
+           "parallel.kernel_tiles": config_lib.KERNEL_TILES,
            "parallel.attention": config_lib.ATTENTION_KINDS, "parallel.attention_kernel": config_lib.ATTENTION_KERNELS,
            "parallel.xla_flags": config_lib.XLA_FLAG_PRESETS, "parallel.layer_schedule": config_lib.LAYER_SCHEDULES,
            "parallel.moe_swiglu_gradient": config_lib.SWIGLU_GRADIENTS,

@@ -159,6 +159,13 @@ def test_pallas_tier_layouts_match_single_device(sizes, preset):
 
 
 @pytest.mark.slow
+def test_pallas_tier_with_warp_specialized_tiles_matches_single_device():
+  """`parallel.kernel_tiles="warp_specialized"`: the MoE tile plan in the kernels' 128-row tiles."""
+  _check_layout("dropless", {}, (2, 4, 1, 1), "ep", parallel=ParallelConfig(
+      impl="pallas", kernel_backend="collectives", kernel_tiles="warp_specialized"))
+
+
+@pytest.mark.slow
 def test_pallas_tier_with_capacity_drops_matches_single_device():
   _check_layout("capacity", {"capacity_factor": 0.75}, (2, 4, 1, 1), "ep",
                 parallel=ParallelConfig(impl="pallas", kernel_backend="collectives"))

@@ -19,6 +19,7 @@ from absl import logging
 from experiments.configs import tiny_moe
 from meshmoe import config as config_lib
 from meshmoe.analysis import cost_collectives, cost_kernels, cost_model, deviceless
+from meshmoe.pallas_kernels import mosaic_tiles
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import context_parallel, expert_parallel, grouped_ffn, plan as plan_lib, tensor_parallel
@@ -89,6 +90,23 @@ def test_hopper_gpus_get_the_mosaic_kernels_for_shapes_that_tile():
   assert odd.implementation == "ring" and "is not a multiple of its tile" in odd.fallback
   float32 = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.float32)
   assert float32.implementation == "all_to_all" and "float32" in float32.fallback
+
+
+def test_kernel_tiles_reach_every_fused_op_and_decide_what_tiles():
+  """`parallel.kernel_tiles`: the plan hands each fused op its tiles, checks the shapes against them and says
+  when they are warp-specialised."""
+  default, hopper = _gpu_plan(impl="pallas"), _gpu_plan(impl="pallas", kernel_tiles="warp_specialized")
+  for plan, tiles in ((default, mosaic_tiles.DEFAULT_TILES), (hopper, mosaic_tiles.HOPPER_TILES)):
+    choices = [plan.project_in(("data",), rows=256, d=512, width=512, dtype=jnp.bfloat16),
+               plan.project_out(("data",), rows=256, contraction=512, d=512, dtype=jnp.bfloat16),
+               plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.bfloat16)]
+    for choice in choices:
+      assert (choice.implementation, choice.tiles) == ("fused", tiles), choice
+      assert ("warp-specialised 128 x 256 tiles" in choice.detail) == (tiles.consumers > 1), choice.detail
+  # 384 columns tile by 128, not by the warp-specialised layout's 256.
+  assert default.project_in(("data",), 256, 512, 384, jnp.bfloat16).implementation == "fused"
+  narrow = hopper.project_in(("data",), 256, 512, 384, jnp.bfloat16)
+  assert narrow.implementation == "ring" and "N=384 is not a multiple of its tile 256" in narrow.fallback
 
 
 def test_kernels_fall_back_where_the_mesh_is_not_in_device_id_order():

@@ -187,9 +187,9 @@ def _moe(lay: _Layout, add, c: int, residual: int) -> None:
   choice = lay.plan.ops["moe"]
   ep, local_experts = experts.ep, moe.num_experts // experts.ep
   if cost_kernels.in_custom_calls(choice):
-    _fused_moe(lay, add, c, int(tokens * k), ep, local_experts)
+    _fused_moe(lay, add, c, int(tokens * k), ep, local_experts, cost_kernels.tile_rows(choice))
   elif choice.implementation == "fused":
-    _moe_kernels_as_collectives(lay, add, c, int(tokens * k), ep, local_experts)
+    _moe_kernels_as_collectives(lay, add, c, int(tokens * k), ep, local_experts, cost_kernels.tile_rows(choice))
   elif choice.implementation == "all_to_all":
     _exchanges(lay, add, tokens, k, ep, choice)
   add("moe", "reduce-scatter", experts.gather, residual, True)
@@ -198,25 +198,26 @@ def _moe(lay: _Layout, add, c: int, residual: int) -> None:
   add("moe", "all-reduce", experts.reduce, residual, False)
 
 
-def _fused_moe(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
+def _fused_moe(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int, tile_rows: int) -> None:
   """The Comet kernels: the group sizes all-gathered (each forward; the backward reuses the plan), then
   the dispatch and the return, each also run by the backward's dual kernel, all in the kernels."""
   add("moe", "all-gather", lay.expert_axes, ep * ep * local_experts * 4, True)
-  _, remote_rows = cost_kernels.moe_rows(assignments, ep, local_experts)
+  _, remote_rows = cost_kernels.moe_rows(assignments, ep, local_experts, tile_rows)
   nbytes = remote_rows * lay.config.model.embed_dim * c
   for forward in (True, False):
     add("moe", "fused all-to-all", lay.expert_axes, nbytes, forward)  # dispatch (backward: the return kernel)
     add("moe", "fused all-to-all", lay.expert_axes, nbytes, forward)  # return (backward: the dispatch kernel)
 
 
-def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int) -> None:
+def _moe_kernels_as_collectives(lay: _Layout, add, c: int, assignments: int, ep: int, local_experts: int,
+                                tile_rows: int) -> None:
   """The Comet kernels' plain-XLA versions (kernel backend "collectives"; their reference.py): the group
   sizes all-gathered, every device's whole send buffer all-gathered for the dispatch and every device's
   whole receive buffer (with its tiles' sources, int32, int32 and bool) for the return; autodiff's
   backward reduce-scatters the two buffers' gradients."""
   d = lay.config.model.embed_dim
-  send_rows, receive_rows = cost_kernels.moe_buffer_rows(assignments, ep, local_experts)
-  receive_tiles = receive_rows // cost_kernels.TILE_ROWS
+  send_rows, receive_rows = cost_kernels.moe_buffer_rows(assignments, ep, local_experts, tile_rows)
+  receive_tiles = receive_rows // tile_rows
   add("moe", "all-gather", lay.expert_axes, ep * ep * local_experts * 4, True)
   add("moe", "all-gather", lay.expert_axes, ep * send_rows * d * c, True)
   add("moe", "reduce-scatter", lay.expert_axes, send_rows * d * c, False)

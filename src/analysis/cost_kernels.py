@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import math
 
-from meshmoe.pallas_kernels import moe_routing, mosaic_tiles
+from meshmoe.pallas_kernels import moe_routing
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.sharding.plan import OpChoice
 
 FUSED_KINDS = ("fused all-gather", "fused reduce-scatter", "fused all-to-all")
-TILE_ROWS = mosaic_tiles.DEFAULT_TILES.block_m
 
 
 # tokamax 0.0.17's grouped GEMM on Hopper with its heuristic config (what runs without autotuning, and in
@@ -69,12 +68,17 @@ def projection_bytes(g: int, rows: int, d: int, itemsize: int) -> float:
   return float(allgather_matmul.bytes_moved(g, rows, d, itemsize))
 
 
-def moe_rows(assignments: int, ep: int, local_experts: int) -> tuple[float, float]:
+def tile_rows(choice: OpChoice) -> int:
+  """Rows per tile of the MoE kernels' tile plan: their tiles' height (`parallel.kernel_tiles`)."""
+  return choice.tiles.block_m
+
+
+def moe_rows(assignments: int, ep: int, local_experts: int, rows_per_tile: int) -> tuple[float, float]:
   """(rows a device's expert GEMMs compute, rows it sends to other devices) per call."""
-  return moe_routing.expected_rows(assignments, ep, local_experts, TILE_ROWS)
+  return moe_routing.expected_rows(assignments, ep, local_experts, rows_per_tile)
 
 
-def moe_buffer_rows(assignments: int, ep: int, local_experts: int) -> tuple[int, int]:
+def moe_buffer_rows(assignments: int, ep: int, local_experts: int, rows_per_tile: int) -> tuple[int, int]:
   """(send, receive) buffer rows of the tile plan: the dropless worst case, allocated whatever the routing."""
-  send, receive = moe_routing.sizes(assignments, ep, local_experts, TILE_ROWS)
-  return send * TILE_ROWS, receive * TILE_ROWS
+  send, receive = moe_routing.sizes(assignments, ep, local_experts, rows_per_tile)
+  return send * rows_per_tile, receive * rows_per_tile

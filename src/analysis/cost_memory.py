@@ -222,7 +222,8 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     # The tile plan's buffers: send and returned rows, received rows with their hidden units (and gate and
     # up unless the kernels recompute them); the backward's dispatched gradients [R, D + F] are transient,
     # and when recomputing the gate and up gradients [R, 2F] the SwiGLU gradient kernel writes.
-    send_rows, receive_rows = cost_kernels.moe_buffer_rows(int(assignments), ep, local_experts)
+    tile_rows = cost_kernels.tile_rows(choice)
+    send_rows, receive_rows = cost_kernels.moe_buffer_rows(int(assignments), ep, local_experts, tile_rows)
     buffers = 2 * (gathered - tokens) * d * c + assignments * d * c * 2 + 2 * send_rows * d * c
     recomputed = cost_kernels.swiglu_recomputed(choice)
     hidden = receive_rows * (d + (1 if recomputed else 3) * width) * c
@@ -234,7 +235,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
       # The kernels' plain-XLA versions (reference.py) multiply every receive tile by its expert's weights,
       # gathered per tile and kept for the backward pass as the blocked GEMM's are, and all-gather every
       # device's send and receive buffers.
-      weights = 3 * receive_rows // cost_kernels.TILE_ROWS * d * width * c
+      weights = 3 * receive_rows // tile_rows * d * width * c
       transient += (weights if m.remat == "none" else 0.0) + ep * (send_rows + receive_rows) * d * c
     return 2 * residual + buffers + hidden + weights + gathered * moe.num_experts * 4 * 3, transient
   if choice.grouped_gemm == "blocked":

@@ -165,12 +165,13 @@ def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) 
   # The receive buffer of a chunk of `tokens` tokens, dropless worst case (expert_parallel.peer_slot).
   buffer_rows = lambda tokens: lay.ep * expert_parallel.peer_slot(tokens, moe.top_k, local_experts)
   rows = buffer_rows(assignments // moe.top_k)
+  tile_rows = cost_kernels.tile_rows(choice)
   if cost_kernels.in_custom_calls(choice) and worst_case:
-    _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
+    _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts, tile_rows)
   elif cost_kernels.in_custom_calls(choice):
-    computed_rows, _ = cost_kernels.moe_rows(assignments, lay.ep, local_experts)  # used tiles only
+    computed_rows, _ = cost_kernels.moe_rows(assignments, lay.ep, local_experts, tile_rows)  # used tiles only
   elif choice.implementation == "fused":  # the kernels' plain-XLA versions multiply every buffer tile
-    _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts)
+    _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts, tile_rows)
   elif cost_kernels.gemm_in_kernels(choice):  # tokamax: per chunk, each expert's rows in whole tiles
     chunks = moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks)
     computed_rows = sum(cost_kernels.tokamax_worst_rows(buffer_rows(tokens), local_experts) if worst_case
