@@ -5,7 +5,8 @@ Every communicating kernel is checked three ways (ARCHITECTURE.md, "Kernels"; PR
 the twin machine in Pallas' TPU interpreter on 2, 4 and 8 CPU devices (`dma_execution_mode="on_wait"`,
 race detector on, its verdict checked after every kernel by conftest.py) against the reference; the same
 protocol on the GPU machine compiled for 8 H100s without a GPU; and that kernel's compute path (a ring of
-one device, which never signals) in the Mosaic GPU interpreter against the reference.
+one device, which never signals) in the Mosaic GPU interpreter against the reference, with that
+interpreter's race detector on too (its verdict also recorded after every kernel).
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from tests.model_steps import gpu_mesh
 
 # A 16-bit result rounds the float32 sum once: one bfloat16 unit in the last place of the largest entry.
 BF16_RTOL = 2.0**-7
-GPU_INTERPRET = plgpu.InterpretGPUParams()
+# The Mosaic GPU interpreter with its race detector (TMA copies, barriers, WGMMA operands, between the
+# warpgroups and blocks of a device). It keeps only the running kernel's verdict, so each is recorded as
+# its kernel ends (`_record_gpu_verdicts`).
+GPU_INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
+gpu_race_verdicts: list[bool] = []
 # (mesh shape over ("a", "b"), the ring's axes): rings of 4 and 8 devices, one over two mesh axes (its
 # positions run over both), and one of 4 where the other axis holds independent rings.
 RINGS = [((2, 1), ("a",)), ((4, 1), ("a",)), ((2, 2), ("a", "b")), ((8, 1), ("a",)), ((2, 4), ("a", "b")),
@@ -65,12 +70,33 @@ def most_twin_blocks(mesh: Mesh) -> int:
 
 
 def take_race_verdicts() -> list[str]:
-  """The twin kernels the race detector flagged since the last call, in order (each once), once every
-  kernel dispatched so far has finished and recorded its verdict."""
+  """The twin kernels the race detector flagged since the last call, in order (each once), and one entry
+  per Mosaic GPU kernel the GPU interpreter's detector flagged, once every kernel dispatched so far has
+  finished and recorded its verdict."""
   jax.effects_barrier()
   flagged = [name for name, found in twin_machine.race_verdicts if found]
+  flagged += [f"Mosaic GPU kernel #{i} in the interpreter" for i, found in enumerate(gpu_race_verdicts) if found]
   twin_machine.race_verdicts.clear()
+  gpu_race_verdicts.clear()
   return list(dict.fromkeys(flagged))
+
+
+def _record_gpu_verdicts() -> None:
+  """Appends each interpreted Mosaic GPU kernel's race verdict to gpu_race_verdicts as the kernel ends:
+  the interpreter's clean-up runs last in every kernel, before the next one replaces the detector's state.
+  (Its only hook: jax keeps the verdict of the last kernel alone, in a private module.)"""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  clean_up = gpu_callbacks._clean_up_shared_memory
+
+  def record_then_clean_up(token):
+    gpu_race_verdicts.append(gpu_callbacks.get_races().races_found)
+    return clean_up(token)
+
+  gpu_callbacks._clean_up_shared_memory = record_then_clean_up
+
+
+_record_gpu_verdicts()
 
 
 @contextlib.contextmanager

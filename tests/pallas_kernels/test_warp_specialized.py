@@ -7,19 +7,21 @@ consumers reading what the producer put (their own load and the producer's GEMM 
 whose signal follows every consumer's stores. The semaphore operations themselves are made no-ops and the
 peer the local device; what is checked is the block's own protocol: the interpreter checks every barrier's
 phases (a phase waited twice, or completed and never observed, fails the kernel) and its race detector
-checks that every read of shared and global memory is ordered after the write it needs. The result must
-equal x @ w + x exactly as the reference computes it.
+(conftest.py) checks that every read of shared and global memory is ordered after the write it needs. The
+same program without its arrival wait, whose consumers then read what the producer is still putting, is
+flagged. The result must equal x @ w + x.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from meshmoe.pallas_kernels import gpu_machine, gpu_warp_specialized
+from meshmoe.pallas_kernels import gpu_machine
 from meshmoe.pallas_kernels.gpu_machine import GpuMachine
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from tests.pallas_kernels import harness
@@ -29,7 +31,7 @@ TILES = Tiles(64, 128, 64, 2, consumers=2)
 PEER = 0  # any device: peer_ref is the local ref here
 
 
-def _program(machine, x_ref, w_ref, out_ref, copy_ref):
+def _program(machine, x_ref, w_ref, out_ref, copy_ref, awaits: bool = True):
   """Per row tile m: put x's tile into `copy`, await it, read it back and multiply it, return the sum."""
   tiles = machine.tiles
   tile = lambda t: pl.ds(t * tiles.block_m, tiles.block_m)
@@ -37,16 +39,17 @@ def _program(machine, x_ref, w_ref, out_ref, copy_ref):
   @machine.items(x_ref.shape[0] // tiles.block_m)
   def _item(m):
     machine.put(x_ref.at[tile(m)], copy_ref.at[tile(m)], PEER, None)
-    machine.await_arrival(None, copy_ref.at[tile(m)])
+    if awaits:
+      machine.await_arrival(None, copy_ref.at[tile(m)])
     landed = machine.load(copy_ref.at[tile(m)]).astype(jnp.float32)
     acc = machine.matmul(copy_ref.at[tile(m)], w_ref) + landed
     machine.put_value(acc, out_ref.at[tile(m)], PEER, None)
 
 
-def _run(x, w, num_blocks: int, interpret):
+def _run(x, w, num_blocks: int, program=_program):
   machine = GpuMachine((), num_blocks, TILES)
   out_type = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2
-  kernel = gpu_machine.launch(_program, machine, out_type=out_type, scratch_types=[], interpret=interpret)
+  kernel = gpu_machine.launch(program, machine, out_type=out_type, scratch_types=[], interpret=harness.GPU_INTERPRET)
   return harness.per_device(lambda x, w: tuple(kernel(x, w)), harness.one_device_ring(), (P(), P()), (P(), P()))(x, w)
 
 
@@ -60,14 +63,20 @@ def no_semaphores(monkeypatch):
   return signals
 
 
-@pytest.mark.parametrize("num_blocks", [1, 2])
-def test_handoffs_inside_a_block_pair_up_without_races(no_semaphores, num_blocks):
+def _operands():
   keys = jax.random.split(jax.random.key(8), 2)
   rows, width = 6 * TILES.block_m, TILES.block_n  # 6 row tiles; K = N = one output tile's width
   x = jax.random.normal(keys[0], (rows, width), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(keys[1], (width, width), jnp.float32) / np.sqrt(width)).astype(jnp.bfloat16)
-  out, copy = _run(x, w, num_blocks, plgpu.InterpretGPUParams(detect_races=True))
-  assert not gpu_warp_specialized_races(), "the interpreter's race detector flagged the block's protocol"
+  return x, w
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_handoffs_inside_a_block_pair_up_without_races(no_semaphores, num_blocks):
+  x, w = _operands()
+  width = x.shape[1]
+  out, copy = _run(x, w, num_blocks)
+  assert harness.take_race_verdicts() == []
   np.testing.assert_array_equal(np.asarray(copy), np.asarray(x))
   f32 = lambda a: np.asarray(a, np.float32)
   assert_close(f32(out), f32(x) @ f32(w) + f32(x), harness.BF16_RTOL, "x @ w + x")
@@ -75,6 +84,6 @@ def test_handoffs_inside_a_block_pair_up_without_races(no_semaphores, num_blocks
   assert sorted(no_semaphores) == sorted([x.dtype.itemsize * TILES.block_m * width] * 2)
 
 
-def gpu_warp_specialized_races() -> bool:
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's verdict of the last kernel
-  return gpu_callbacks.get_races().races_found
+def test_the_race_detector_catches_consumers_reading_before_the_handoff(no_semaphores):
+  _run(*_operands(), num_blocks=1, program=functools.partial(_program, awaits=False))
+  assert harness.take_race_verdicts() == ["Mosaic GPU kernel #0 in the interpreter"]
