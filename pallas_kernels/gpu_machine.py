@@ -11,7 +11,6 @@ so each is waited on by the one block that owns it, as in the twin, where semaph
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -149,24 +148,6 @@ def copy_through(staging, loaded, src_ref, dst_ref) -> None:
     plgpu.copy_smem_to_gmem(staging.at[slot], dst_ref.at[chunk])
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-
-def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=None, transpose_b: bool = False):
-  """Runs `program(machine, *refs)` as `machine.num_blocks` thread blocks; with machine.tiles.consumers > 1,
-  warp-specialised (gpu_warp_specialized.py; `transpose_b`: the GEMMs' B operands are stored [N, K]).
-  Kernels that communicate (those with semaphores) start with Mosaic GPU's device barrier: every device of
-  the ring has entered the kernel before any block runs. A ring of one skips it, since the barrier needs
-  NVSHMEM, which a single GPU should not."""
-  params = dataclasses.replace(mosaic_tiles.compiler_params(), skip_device_barrier=not scratch_types)
-  grid = dict(grid=(machine.num_blocks,), grid_names=(AXIS,))
-  if machine.tiles.consumers > 1:
-    from meshmoe.pallas_kernels import gpu_warp_specialized  # it builds on this module
-    body, threads = gpu_warp_specialized.kernel_body(program, machine, out_type, transpose_b)
-    grid |= threads
-  else:
-    body = lambda *refs: program(machine, *refs)
-  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, compiler_params=params,
-                      interpret=interpret, **grid)
 
 
 def peer_ref(ref, peer):

@@ -10,14 +10,16 @@ program (each op's protocol.py), each with its own view of the primitives, so th
 one the twin executes: the same semaphores, counts, signallers and waits. Only who inside the block runs
 each step differs:
 
-| primitive | producer | consumers |
-|---|---|---|
-| `matmul` | loads the A and B tiles into the ring (each slot once the consumers have released it); puts `copies` | wait for a slot's tiles, WGMMA, release the slot one step later |
-| `put` | TMA loads and stores through its staging slots, then the signal | - |
-| `put_value` | - | store their columns; once all are complete, consumer 0 signals |
-| `store`, `zero`, `load` | - (`load` gives 0) | their columns, through their own output slot |
-| `await_arrival`, `await_notice` | waits for the semaphore, then hands off to the consumers | wait for the handoff |
-| `notify` | signals | - |
+- `matmul`: the producer puts the A rows to `copies`, then loads the A and B tiles into the ring, each
+  slot once the consumers have released it; the consumers wait for a slot's tiles, run WGMMA, and
+  release the slot one step later.
+- `put`: the producer, TMA loads and stores through its staging slots, then the signal.
+- `put_value`: the consumers store their columns; once all are complete, consumer 0 signals.
+- `store`, `zero`, `load`: the consumers, their columns, through their own output slot (the producer's
+  `load` gives 0).
+- `await_arrival`, `await_notice`: the producer waits for the semaphore, then hands off to the consumers,
+  who wait for the handoff.
+- `notify`: the producer.
 
 The producer never holds a tile value (it keeps 40 registers): the arithmetic a protocol does on values
 runs on float32 scalars there, and its stores are skipped.
@@ -83,11 +85,12 @@ class Shared:
 
 
 def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool):
-  """(body, launch options) of a warp-specialised kernel that runs `program(view, *refs)` (gpu_machine.launch)."""
+  """(body, launch options) of a warp-specialised kernel that runs `program(view, *refs)` (gpu_kernel.launch)."""
   tiles, consumers = machine.tiles, machine.tiles.consumers
   dtypes = {jnp.dtype(t.dtype) for t in jax.tree.leaves(out_type)}
   if len(dtypes) != 1:
-    raise ValueError(f"warp-specialised kernels store every output through one slot dtype, got {sorted(map(str, dtypes))}")
+    raise ValueError("warp-specialised kernels store every output through one slot dtype, got "
+                     f"{sorted(map(str, dtypes))}")
   dtype = dtypes.pop()
   s, bm, bn, bk = tiles.stages, tiles.block_m, tiles.block_n, tiles.block_k
   b_shape = (s, bn, bk) if transpose_b else (s, bk, bn)

@@ -9,7 +9,7 @@ import functools
 
 import jax
 
-from meshmoe.pallas_kernels import gpu_machine, mosaic_tiles, ring
+from meshmoe.pallas_kernels import gpu_kernel, gpu_machine, mosaic_tiles, ring
 from meshmoe.pallas_kernels.allgather_matmul import protocol
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from meshmoe.pallas_kernels.ring import Axes
@@ -33,7 +33,7 @@ def allgather_matmul(x_MK: jax.Array, w_KN: jax.Array, axes: Axes, *, num_blocks
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   steps, m_tiles = max(p - 1, 1), m // tiles.block_m
   scratch = [gpu_machine.arrival_type((steps, m_tiles)), gpu_machine.notice_type(num_blocks, (steps, m_tiles))]
-  outs = gpu_machine.launch(
+  outs = gpu_kernel.launch(
       functools.partial(protocol.run, p=p), machine,
       out_type=(ring.out_type((p, m, n), x_MK.dtype, x_MK, w_KN, axes=axes),
                 ring.out_type((p, m, k), x_MK.dtype, x_MK, w_KN, axes=axes)),

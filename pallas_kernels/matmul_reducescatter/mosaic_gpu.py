@@ -9,7 +9,7 @@ import functools
 
 import jax
 
-from meshmoe.pallas_kernels import gpu_machine, mosaic_tiles, ring
+from meshmoe.pallas_kernels import gpu_kernel, gpu_machine, mosaic_tiles, ring
 from meshmoe.pallas_kernels.matmul_reducescatter import protocol
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from meshmoe.pallas_kernels.ring import Axes
@@ -33,7 +33,7 @@ def matmul_reducescatter(y_PMK: jax.Array, w_KN: jax.Array, axes: Axes, *, num_b
     raise ValueError(f"GEMM reduce-scatter kernel: {reason}")
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
   steps, items = max(p - 1, 1), (m // tiles.block_m) * (n // tiles.block_n)
-  out_MN, _ = gpu_machine.launch(
+  out_MN, _ = gpu_kernel.launch(
       functools.partial(protocol.run, p=p), machine,
       out_type=(ring.out_type((m, n), y_PMK.dtype, y_PMK, w_KN, axes=axes),
                 # Per step, the partial sums my left neighbour puts here; each slot is written once.

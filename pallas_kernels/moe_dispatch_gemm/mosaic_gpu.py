@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import jax
 
-from meshmoe.pallas_kernels import gpu_machine, mosaic_tiles, ring
+from meshmoe.pallas_kernels import gpu_kernel, gpu_machine, mosaic_tiles, ring
 from meshmoe.pallas_kernels.moe_dispatch_gemm import protocol, swiglu as swiglu_epilogue
 from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
@@ -46,7 +46,7 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan
   out_type = [ring.out_type((r_tiles * tm, d), xs_SD.dtype, xs_SD, *weights, axes=axes)]
   out_type += [ring.out_type((r_tiles * tm, f), xs_SD.dtype, xs_SD, *weights, axes=axes)
                for f in ([widths[0]] * swiglu_epilogue.num_outputs(swiglu) if swiglu else widths)]
-  outs = gpu_machine.launch(
+  outs = gpu_kernel.launch(
       functools.partial(protocol.run, p=p, num_weights=len(weights), swiglu=swiglu, transposed=transposed), machine,
       out_type=out_type,
       scratch_types=[gpu_machine.arrival_type((r_tiles,))] if p > 1 else [],
@@ -64,7 +64,7 @@ def swiglu_gradient(xr_RD: jax.Array, dh_RF: jax.Array, gate: jax.Array, up: jax
   machine = gpu_machine.GpuMachine((), num_blocks, tiles)
   operands = (xr_RD, dh_RF, gate, up)
   out_type = [ring.out_type(dh_RF.shape, xr_RD.dtype, *operands)] * 2
-  outs = gpu_machine.launch(swiglu_epilogue.gradient_kernel, machine, out_type=out_type, scratch_types=[],
+  outs = gpu_kernel.launch(swiglu_epilogue.gradient_kernel, machine, out_type=out_type, scratch_types=[],
                             interpret=interpret)(
       plan.recv_expert, plan.num_recv, *operands)
   return tuple(ring.varying_like(out, *operands) for out in outs)

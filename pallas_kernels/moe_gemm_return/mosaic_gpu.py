@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import jax
 
-from meshmoe.pallas_kernels import gpu_machine, mosaic_tiles, ring
+from meshmoe.pallas_kernels import gpu_kernel, gpu_machine, mosaic_tiles, ring
 from meshmoe.pallas_kernels.moe_gemm_return import protocol
 from meshmoe.pallas_kernels.moe_routing import TilePlan
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
@@ -39,7 +39,7 @@ def gemm_return(hs: Sequence[jax.Array], weights: Sequence[jax.Array], plan: Til
   if reason:
     raise ValueError(f"MoE GEMM return kernel: {reason}")
   machine = gpu_machine.GpuMachine(axes, num_blocks, tiles)
-  ret_SD = gpu_machine.launch(
+  ret_SD = gpu_kernel.launch(
       functools.partial(protocol.run, p=p, num_inputs=len(hs), transposed=transposed), machine,
       out_type=ring.out_type((s_tiles * tm, d), dtype, *hs, *weights, axes=axes),
       scratch_types=[gpu_machine.arrival_type((s_tiles * (d // tiles.block_n),))] if p > 1 else [],

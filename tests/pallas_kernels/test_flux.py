@@ -173,13 +173,12 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks, tiles):
   spec = P("x")
   run = lambda fn, in_specs: harness.per_device(fn, mesh, in_specs, spec)
 
-  out, gathered = run(lambda x, w: allgather_mosaic.allgather_matmul(x, w, ("x",), num_blocks=num_blocks, tiles=tiles,
-                                                                     interpret=harness.GPU_INTERPRET), (spec, P()))(x, w)
+  options = dict(num_blocks=num_blocks, tiles=tiles, interpret=harness.GPU_INTERPRET)
+  out, gathered = run(lambda x, w: allgather_mosaic.allgather_matmul(x, w, ("x",), **options), (spec, P()))(x, w)
   expected = run(lambda x, w: allgather_api.allgather_matmul(x, w, "x", backend="collectives"), (spec, P()))(x, w)
   assert_close(out.astype(jnp.float32), expected.astype(jnp.float32), harness.BF16_RTOL, "all-gather GEMM")
   np.testing.assert_array_equal(np.asarray(gathered[0]), np.asarray(x), "the gathered block is my own")
 
-  out = run(lambda y, w: scatter_mosaic.matmul_reducescatter(y, w, ("x",), num_blocks=num_blocks, tiles=tiles,
-                                                             interpret=harness.GPU_INTERPRET), (spec, P()))(y, w)
+  out = run(lambda y, w: scatter_mosaic.matmul_reducescatter(y, w, ("x",), **options), (spec, P()))(y, w)
   expected = run(lambda y, w: scatter_api.matmul_reducescatter(y, w, "x", backend="collectives"), (spec, P()))(y, w)
   assert_close(out.astype(jnp.float32), expected.astype(jnp.float32), harness.BF16_RTOL, "GEMM reduce-scatter")

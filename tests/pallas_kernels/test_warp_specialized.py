@@ -21,7 +21,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from meshmoe.pallas_kernels import gpu_machine
+from meshmoe.pallas_kernels import gpu_kernel, gpu_machine
 from meshmoe.pallas_kernels.gpu_machine import GpuMachine
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from tests.pallas_kernels import harness
@@ -49,7 +49,7 @@ def _program(machine, x_ref, w_ref, out_ref, copy_ref, awaits: bool = True):
 def _run(x, w, num_blocks: int, program=_program):
   machine = GpuMachine((), num_blocks, TILES)
   out_type = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2
-  kernel = gpu_machine.launch(program, machine, out_type=out_type, scratch_types=[], interpret=harness.GPU_INTERPRET)
+  kernel = gpu_kernel.launch(program, machine, out_type=out_type, scratch_types=[], interpret=harness.GPU_INTERPRET)
   return harness.per_device(lambda x, w: tuple(kernel(x, w)), harness.one_device_ring(), (P(), P()), (P(), P()))(x, w)
 
 
