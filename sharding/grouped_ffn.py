@@ -101,18 +101,15 @@ def _tokamax_ffn(x_RD, sizes_E, valid_R, w: ExpertWeights, activation: Activatio
                        f"{backend.get_default_device()}: lower programs for GPUs you do not have inside "
                        "meshmoe.analysis.deviceless.targeting(mesh)")
   gemm = lambda lhs, rhs: tokamax_gemm.ragged_matmul(lhs, rhs, sizes_E, kernels)
-  # The kernels tile rows in groups of 8: pad to a whole number of them with rows of no group.
+  # The kernels tile rows in groups (Kernels.row_multiple): pad to a whole number of them with rows of no group.
   num_rows, width = x_RD.shape[0], w.gate_EDF.shape[-1]
-  padding = -num_rows % _TOKAMAX_ROW_TILE
+  padding = -num_rows % kernels.row_multiple
   x_RD = jnp.pad(x_RD, ((0, padding), (0, 0)))
   valid_R = jnp.pad(valid_R, ((0, padding), (0, 0)))
   gate_up_RF = gemm(jnp.where(valid_R, x_RD, 0),
                     jnp.concatenate([w.gate_EDF, w.up_EDF], axis=-1).astype(dtype))
   hidden_RF = jnp.where(valid_R, activation(gate_up_RF[:, :width], gate_up_RF[:, width:]), 0)
   return jnp.where(valid_R, gemm(hidden_RF, w.down_EFD.astype(dtype)), 0)[:num_rows]
-
-
-_TOKAMAX_ROW_TILE = 8
 
 
 def _blocked_ffn(x_RD, order_R, sizes_E, w: ExpertWeights, activation: Activation, tile_rows: int,

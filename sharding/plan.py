@@ -53,6 +53,7 @@ from meshmoe.config import (EXCHANGE_FORMAT_FIELDS, MESH_AXES, Config, ConfigErr
                             check_weight_storage)
 from meshmoe.pallas_kernels import mosaic_tiles
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
+from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
@@ -138,7 +139,7 @@ def grouped_gemm_for(gemm: str, hardware: Hardware, dtype, d: int,
   tokamax kernels it calls, why it is not `gemm`, or "")."""
   if gemm != "tokamax":
     return gemm, None, ""
-  kernels, why_not = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
+  kernels, why_not = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability, hardware.num_sms)
   dtype = jnp.dtype(dtype)
   if kernels and hardware.platform == "gpu":
     if dtype not in TOKAMAX_DTYPES:
@@ -146,6 +147,10 @@ def grouped_gemm_for(gemm: str, hardware: Hardware, dtype, d: int,
     elif d * dtype.itemsize % 16 or f * dtype.itemsize % 16:  # TMA copies rows of whole 16-byte units
       kernels, why_not = None, (f"tokamax's grouped GEMM needs rows of whole 16-byte units: widths {d} and {f} "
                                 f"in {dtype.name} are not")
+    elif kernels.contraction == tokamax_gemm.MESHMOE and (why := (
+        grouped_weight_gradient.unsupported(d, 2 * f, dtype) or grouped_weight_gradient.unsupported(f, d, dtype))):
+      # Gate and up side by side, then down. tokamax's own Hopper weight gradient is wrong (tokamax_gemm.py).
+      kernels, why_not = None, f"on Hopper the weight gradients run meshmoe's kernel, which cannot take them: {why}"
   if kernels is None:
     return "blocked", None, why_not + ": the blocked GEMM runs"
   return gemm, kernels, ""

@@ -141,9 +141,12 @@ def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_
   mesh = gpu_mesh(sizes, AXES)
   plan = ParallelPlan.for_mesh(mesh, preset, parallel)
   x, experts, weights, _ = _inputs("dropped")
-  x = x.astype(tokens_dtype)
-  # Expert widths of whole 16-byte rows in bfloat16, which tokamax's kernels copy with TMA.
-  w = grouped_ffn.ExpertWeights(*(jnp.zeros(shape) for shape in [(E, D, 16), (E, D, 16), (E, 16, D)]))
+  # Widths of 128 (only the shapes are compiled): rows of whole 16-byte units in bfloat16, which tokamax's
+  # kernels copy with TMA, and tiles of meshmoe's weight-gradient kernel, which runs tokamax's backward
+  # weight gradients on Hopper (sharding/tokamax_gemm.py).
+  width = 128
+  x = jnp.zeros((*x.shape[:-1], width), tokens_dtype)
+  w = grouped_ffn.ExpertWeights(*(jnp.zeros((E, width, width)) for _ in range(3)))
   tokens = plan.activation_sharding(("act_batch", "act_seq", None))
   param = lambda names: NamedSharding(mesh, plan.param_spec(names))
   abstract = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)

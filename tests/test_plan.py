@@ -23,6 +23,7 @@ from meshmoe.pallas_kernels import mosaic_tiles
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import context_parallel, expert_parallel, grouped_ffn, plan as plan_lib, tensor_parallel
+from meshmoe.sharding import tokamax_gemm
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import Hardware, ParallelPlan
 from meshmoe.sharding.shardings import use_plan
@@ -90,6 +91,21 @@ def test_hopper_gpus_get_the_mosaic_kernels_for_shapes_that_tile():
   assert odd.implementation == "ring" and "is not a multiple of its tile" in odd.fallback
   float32 = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.float32)
   assert float32.implementation == "all_to_all" and "float32" in float32.fallback
+
+
+def test_hopper_weight_gradients_run_meshmoe_s_kernel_not_tokamax_s():
+  """tokamax's Hopper weight-gradient kernel returned wrong gradients on both GPUs it ran on (README): the
+  plan gives the ragged contraction to meshmoe's grouped weight-gradient kernel, or where that does not
+  tile the widths, the plan runs the blocked GEMM and says why."""
+  plan = _gpu_plan(impl="xla")
+  choice = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.bfloat16)
+  assert choice.grouped_gemm == "tokamax"
+  assert choice.gemm_kernels == tokamax_gemm.Kernels("mosaic", tokamax_gemm.MESHMOE, plan.hardware.num_sms)
+  assert "weight gradient meshmoe's grouped weight-gradient kernel" in choice.detail
+  assert choice.gemm_kernels.row_multiple == mosaic_tiles.DEFAULT_TILES.block_k
+  narrow = plan.expert_ffn(ep=8, d=512, f=40, dtype=jnp.bfloat16)  # 80-byte rows: tokamax's TMA copies them
+  assert (narrow.grouped_gemm, narrow.gemm_kernels) == ("blocked", None)
+  assert "meshmoe's kernel, which cannot take them: F=80 is not a multiple of its tile 128" in narrow.fallback
 
 
 def test_kernel_tiles_reach_every_fused_op_and_decide_what_tiles():

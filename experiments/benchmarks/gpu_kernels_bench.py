@@ -25,8 +25,9 @@ Groups (rows of the table):
   - `dense_batched`: one batched einsum [E, M/E, K] x [E, K, N], what balanced routing would cost as a
     plain dense GEMM: a ceiling, not a grouped GEMM.
 - `wgrad`, the weight gradient alone, dw[e] = x_e^T dy_e (a ragged contraction): tokamax's
-  (`ragged_dot_general`, the plan's contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel
-  (`mosaic_tiles`: one warpgroup on 64 x 128 tiles, what the MoE backward runs; `mosaic_ws_128x256`:
+  (`ragged_dot_general` with its own contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel
+  (`mosaic_tiles`: one warpgroup on 64 x 128 tiles, what the fused MoE backward runs; `mosaic_ragged`: the
+  same on rows in any group sizes, what the plan runs in tokamax's place on Hopper; `mosaic_ws_128x256`:
   warp-specialised, a producer and two consumer warpgroups on 128 x 256 tiles), jax.lax.ragged_dot_general,
   and the dense loop.
 - `ffn`, the whole expert FFN y = down(silu(x @ gate) * (x @ up)) per assignment row, forward and forward +
@@ -301,6 +302,9 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
   hardware = Hardware.of(device)
   kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
   hopper = on_gpu and hardware.compute_capability.startswith("9.")
+  # tokamax's own contraction kernel (on Hopper the plan runs meshmoe's instead: sharding/tokamax_gemm.py).
+  tokamax_contraction = "mosaic" if kernels and kernels.contraction == tokamax_gemm.MESHMOE else (
+      kernels and kernels.contraction)
   sizes_np = np.full((e,), m // e, np.int64)
   sizes_np[: m % e] += 1
   offsets = np.concatenate([[0], np.cumsum(sizes_np)])
@@ -319,7 +323,10 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
   flops = 2.0 * m * k * n
   impls = {
       "tokamax": (lambda x, dy: tokamax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16,
-                                                           implementation=kernels.contraction)) if kernels else None,
+                                                           implementation=tokamax_contraction)) if kernels else None,
+      # Rows in any group sizes (tile_rows=1), as the plan runs it in tokamax's place on Hopper.
+      "mosaic_ragged": (lambda x, dy: weight_gradient.weight_gradient(
+          x, dy, sizes, like, tile_rows=1, backend="mosaic_gpu", num_sms=hardware.num_sms or None)) if hopper else None,
       "mosaic_tiles": (lambda x, dy: weight_gradient.weight_gradient(
           x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
           num_sms=hardware.num_sms or None)) if hopper else None,
@@ -339,7 +346,7 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
     elif name.startswith("mosaic") and (why := weight_gradient.unsupported(
         k, n, jnp.bfloat16, *((mosaic_tiles.HOPPER_TILES,) if name == "mosaic_ws_128x256" else ()))
         or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
-                 for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m), None)):
+                 for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m and name != "mosaic_ragged"), None)):
       rows.append(skipped(row, why))
     else:
       rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (x, dy)), check))

@@ -1,30 +1,33 @@
-"""Grouped weight gradient as a Mosaic GPU kernel (Hopper): each output tile sums its expert's row tiles.
+"""Grouped weight gradient as a Mosaic GPU kernel (Hopper): each output tile sums its expert's row steps.
 
-Each expert's rows are whole tiles of `tile_rows` rows, contiguous (the MoE tile plan lays receive buffers
-out that way). A persistent kernel walks the (expert, D tile, F tile) output tiles; for each it loads the
-expert's row tiles of x and dy two at a time ahead (TMA into a two-slot shared-memory buffer, so tile
-t + 1 loads while tile t multiplies) and accumulates x_tile^T @ dy_tile with WGMMA (the transposed
-operand read straight from shared memory) into float32 registers. Only the expert's own rows are read:
-the FLOPs are those of the rows that exist, where XLA's transposed ragged dot computes every expert over
-every row.
+Each expert's rows are contiguous, expert after expert (rows_E). A persistent kernel walks the (expert,
+D tile, F tile) output tiles; for each it loads the expert's rows of x and dy in steps of TM = block_k
+rows, two steps ahead (TMA into a two-slot shared-memory buffer, so step t + 1 loads while step t
+multiplies), and accumulates x_step^T @ dy_step with WGMMA (the transposed operand read straight from
+shared memory) into float32 registers. Only the expert's own rows are read: the FLOPs are those of the
+rows that exist, where XLA's transposed ragged dot computes every expert over every row.
 
-With `tiles.consumers` = 2 (or more) the kernel is warp-specialised, the Hopper GEMM layout: each thread
-block runs a producer warpgroup, which only issues the TMA loads of `tiles.stages` row tiles ahead, and
-`consumers` warpgroups, each multiplying its own block_n / consumers columns of a block_m x block_n output
-tile (Tiles(128, 256, 64, 3, 2): 128 x 256, two consumers of 128 columns), one WGMMA left in flight across
-row tiles. The
-producer waits only for a slot the consumers have released, so loads run ahead of the multiplies; the
-consumers store their halves of the tile through shared memory while the producer loads the next tile's
-rows. Untimed so far:
-the GPU kit's `wgrad` rows time both layouts on a Hopper GPU.
+Rows come two ways:
+- in whole steps (`tile_rows` a multiple of block_k: the MoE tile plan lays receive buffers out so);
+- ragged (any other `tile_rows`, e.g. 1: tokamax's path, rows sorted by expert and nothing padded). An
+  expert's first and last steps may then hold rows of its neighbours, which are zeroed in shared memory
+  before they are multiplied.
 
-Legend: R rows, D and F the two widths, E experts, TM rows per tile, C consumer warpgroups.
+With `tiles.consumers` = 2 (or more) the kernel is warp-specialised, the Hopper GEMM layout (whole steps
+only): each thread block runs a producer warpgroup, which only issues the TMA loads of `tiles.stages`
+steps ahead, and `consumers` warpgroups, each multiplying its own block_n / consumers columns of a
+block_m x block_n output tile (Tiles(128, 256, 64, 3, 2): 128 x 256, two consumers of 128 columns), one
+WGMMA left in flight across steps. The producer waits only for a slot the consumers have released, so
+loads run ahead of the multiplies; the consumers store their halves of the tile through shared memory
+while the producer loads the next tile's rows. Untimed so far: the GPU kit's `wgrad` rows time both
+layouts on a Hopper GPU.
+
+Legend: R rows, D and F the two widths, E experts, TM rows per step, C consumer warpgroups.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +46,15 @@ PRODUCER_REGISTERS = 40
 def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES,
                 tile_rows: int | None = None) -> str | None:
   """Why this kernel cannot take widths D and F (None when it can): D in WGMMA-height tiles, F in
-  block_n tiles, and with warp specialisation the pipeline's shared memory within Hopper's."""
+  block_n tiles; with warp specialisation, expert rows in whole block_k steps (`tile_rows`) and the
+  pipeline's shared memory within Hopper's."""
   reason = mosaic_tiles.unsupported(dtype, {"D": (d, tiles.block_m), "F": (f, tiles.block_n)}, tiles)
   if reason or tiles.consumers == 1:
     return reason
-  tm, consumers = _step_rows(tile_rows or tiles.block_m, tiles), tiles.consumers
+  if _ragged(tile_rows or tiles.block_m, tiles):
+    return (f"the warp-specialised kernel needs each expert's rows in whole {tiles.block_k}-row steps, "
+            f"not multiples of {tile_rows}")
+  tm, consumers = tiles.block_k, tiles.consumers
   itemsize = jnp.dtype(dtype).itemsize
   needed = (tiles.stages * tm * (tiles.block_m + tiles.block_n)  # the pipeline's row tiles
             + tiles.block_m * tiles.block_n) * itemsize  # the consumers' output slots
@@ -59,31 +66,38 @@ def unsupported(d: int, f: int, dtype, tiles: Tiles = mosaic_tiles.DEFAULT_TILES
 
 def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: jax.Array, *, tile_rows: int,
                     tiles: Tiles = mosaic_tiles.DEFAULT_TILES, num_blocks: int, interpret=None) -> jax.Array:
-  """dw_EDF in `like`'s dtype, as reference.weight_gradient; rows_E must be multiples of tile_rows.
-  tiles.consumers > 1: the warp-specialised kernel (module docstring)."""
+  """dw_EDF in `like`'s dtype, as reference.weight_gradient; every rows_E[e] is a multiple of tile_rows
+  (1: any). tiles.consumers > 1: the warp-specialised kernel (module docstring)."""
   d, f, num_experts = x_RD.shape[1], dy_RF.shape[1], rows_E.shape[0]
   reason = unsupported(d, f, x_RD.dtype, tiles, tile_rows)
   if reason or dy_RF.dtype != x_RD.dtype:
     raise ValueError(f"grouped weight-gradient kernel: {reason or 'x and dy dtypes differ'}")
-  tile_rows = _step_rows(tile_rows, tiles)
-  tiles_E = (rows_E // tile_rows).astype(jnp.int32)
-  first_E = jnp.cumsum(tiles_E) - tiles_E
+  ragged, tm = _ragged(tile_rows, tiles), tiles.block_k
+  if x_RD.shape[0] % tm:  # the last expert's last step reads whole tiles; its rows past the groups are masked
+    pad = ((0, tm - x_RD.shape[0] % tm), (0, 0))
+    x_RD, dy_RF = jnp.pad(x_RD, pad), jnp.pad(dy_RF, pad)
+  rows_E = rows_E.astype(jnp.int32)
+  start_E = jnp.cumsum(rows_E) - rows_E
   out_type = jax.ShapeDtypeStruct((num_experts, d, f), like.dtype)
   if tiles.consumers > 1:
-    body = functools.partial(_warp_specialized, tiles=tiles, tile_rows=tile_rows)
+    body = functools.partial(_warp_specialized, tiles=tiles)
     dw = plgpu.kernel(body, out_type=out_type, grid=(num_blocks,), grid_names=("sm",), num_threads=tiles.consumers + 1,
                       thread_name="wg", compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
-                      )(first_E, tiles_E, x_RD, dy_RF)
+                      )(start_E // tm, rows_E // tm, x_RD, dy_RF)
     return ring.varying_like(dw, like)
-  bd, bf, tm = tiles.block_m, tiles.block_n, tile_rows
+  bd, bf = tiles.block_m, tiles.block_n
   d_tiles, f_tiles = d // bd, f // bf
 
-  def body(first_ref, count_ref, x_ref, dy_ref, out_ref):
+  def body(start_ref, size_ref, x_ref, dy_ref, out_ref):
     @plgpu.nd_loop((num_experts * d_tiles * f_tiles,), collective_axes="sm")
     def _output_tile(info):
       e, rest = info.index[0] // (d_tiles * f_tiles), lax.rem(info.index[0], d_tiles * f_tiles)
       di, fi = rest // f_tiles, lax.rem(rest, f_tiles)
-      count, first = count_ref[e], first_ref[e]
+      start, size = start_ref[e], size_ref[e]
+      # The expert's rows [start, start + size) in whole tm-row steps; the first and last may hold rows of
+      # other experts (ragged), which are zeroed in shared memory before they are multiplied.
+      first = start // tm
+      count = jnp.where(size > 0, (start + size + tm - 1) // tm - first, 0)
 
       def with_buffers(x_smem, dy_smem, x_arrived, dy_arrived):
         def load(t, slot):
@@ -100,6 +114,9 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
             pl.when(t + 1 < count)(lambda: load(t + 1, 1 - slot))
             plgpu.barrier_wait(x_arrived.at[slot])
             plgpu.barrier_wait(dy_arrived.at[slot])
+            if ragged:
+              pl.when((t == 0) | (t == count - 1))(
+                  lambda: _keep_rows(((x_smem.at[slot], bd), (dy_smem.at[slot], bf)), (first + t) * tm, start, size))
             plgpu.wgmma(acc_ref, x_smem.at[slot].T, dy_smem.at[slot])
             plgpu.wgmma_wait(0)
             return carry
@@ -116,20 +133,30 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
   dw = plgpu.kernel(
       body, out_type=out_type,
       grid=(num_blocks,), grid_names=("sm",), compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
-  )(first_E, tiles_E, x_RD, dy_RF)
+  )(start_E, rows_E, x_RD, dy_RF)
   return ring.varying_like(dw, like)
 
 
-def _step_rows(tile_rows: int, tiles: Tiles) -> int:
-  """Rows multiplied per step: the plan's tile rows, or block_k of them where a tile is taller (a 128-row
-  tile of the Hopper layout is two steps), so the pipeline's row tiles fit in shared memory."""
-  return math.gcd(tile_rows, tiles.block_k)
+def _ragged(tile_rows: int, tiles: Tiles) -> bool:
+  """Whether experts' rows may start or end inside a block_k-row step (then its other rows are masked)."""
+  return tile_rows % tiles.block_k != 0
 
 
-def _warp_specialized(first_ref, count_ref, x_ref, dy_ref, out_ref, *, tiles: Tiles, tile_rows: int):
-  """The warp-specialised kernel body, run by every warpgroup of a block (module docstring)."""
+def _keep_rows(tiles_smem, first_row, start, size) -> None:
+  """Zeros the rows of shared-memory row tiles outside [start, start + size) (rows from first_row on):
+  both operands, so rows of other experts add nothing even where they hold infinities."""
+  for tile_smem, width in tiles_smem:
+    rows = first_row + lax.broadcasted_iota(jnp.int32, (tile_smem.shape[0], width), 0)
+    keep = (rows >= start) & (rows < start + size)
+    tile_smem[...] = jnp.where(keep, tile_smem[...], jnp.zeros((), tile_smem.dtype))
+  plgpu.commit_smem()  # the WGMMA reads shared memory through the async proxy
+
+
+def _warp_specialized(first_ref, count_ref, x_ref, dy_ref, out_ref, *, tiles: Tiles):
+  """The warp-specialised kernel body, run by every warpgroup of a block (module docstring); first_ref and
+  count_ref in block_k-row steps."""
   num_experts, d, f = out_ref.shape
-  consumers, bd, bf, tm = tiles.consumers, tiles.block_m, tiles.consumer_columns, tile_rows
+  consumers, bd, bf, tm = tiles.consumers, tiles.block_m, tiles.consumer_columns, tiles.block_k
   d_tiles, f_tiles = d // bd, f // tiles.block_n
   wg = lax.axis_index("wg")
 
