@@ -337,18 +337,22 @@ def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference(tile
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
 
 
+def _at_mixtral_widths(tokens: int):
+  """(8 H100s, the ring's spec, abstract tokens, expert ids and one expert's gate, up and down per device) at
+  Mixtral-8x7B's widths: d_model 4096, expert width 14336 over tensor=4."""
+  mesh, spec, d, f = harness.h100_mesh(8), P("x"), 4096, 3584
+  shapes = [((8 * tokens, d), jnp.bfloat16), ((8 * tokens, TOP_K), jnp.int32),
+            ((8, d, f), jnp.bfloat16), ((8, d, f), jnp.bfloat16), ((8, f, d), jnp.bfloat16)]
+  return mesh, spec, [harness.abstract(mesh, shape, dtype, spec) for shape, dtype in shapes]
+
+
 @pytest.mark.slow
 def test_warp_specialised_kernels_of_a_moe_layer_compile_for_8_h100s_at_mixtral_widths():
   """Hopper's layout (mosaic_tiles.HOPPER_TILES: 128 x 256 tiles, a producer and two consumers, 128-row tiles
   in the plan) at Mixtral-8x7B's widths over tensor=4, forward and backward: every kernel of the layer,
   with its semaphores, handoffs and signals on a ring of 8, compiles for H100s."""
   tiles = mosaic_tiles.HOPPER_TILES
-  mesh = harness.h100_mesh(8)
-  tokens, d, f = 128, 4096, 3584
-  spec = P("x")
-  shapes = [((8 * tokens, d), jnp.bfloat16), ((8 * tokens, TOP_K), jnp.int32),
-            ((8, d, f), jnp.bfloat16), ((8, d, f), jnp.bfloat16), ((8, f, d), jnp.bfloat16)]
-  args = [harness.abstract(mesh, shape, dtype, spec) for shape, dtype in shapes]
+  mesh, spec, args = _at_mixtral_widths(tokens=128)
 
   def per_device(x_TD, experts_TK, gate, up, down):
     def layer(x_TD, gate, up, down):
@@ -371,12 +375,7 @@ def test_mosaic_kernels_lower_at_full_size_widths():
   """Mixtral-8x7B's widths on 8 devices (d_model 4096, expert width 14336 over tensor=4): the kernels'
   column loops are loops in the kernel, not unrolled per column (unrolled, 8 peers x 32 column copies
   overflowed Mosaic GPU's recursive layout inference)."""
-  mesh = harness.h100_mesh(8)
-  tokens, d, f = 64, 4096, 3584
-  spec = P("x")
-  shapes = [((8 * tokens, d), jnp.bfloat16), ((8 * tokens, TOP_K), jnp.int32),
-            ((8, d, f), jnp.bfloat16), ((8, d, f), jnp.bfloat16), ((8, f, d), jnp.bfloat16)]
-  args = [harness.abstract(mesh, shape, dtype, spec) for shape, dtype in shapes]
+  mesh, spec, args = _at_mixtral_widths(tokens=64)
 
   def per_device(x_TD, experts_TK, gate, up, down):
     t, k = experts_TK.shape
