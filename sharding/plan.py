@@ -430,7 +430,7 @@ class ParallelPlan:
       if backend:
         gradient = self.parallel.moe_swiglu_gradient
         return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
-                            f"grouped GEMM + return over {ep} devices{_describe_tiles(tiles)}",
+                            f"grouped GEMM + return over {ep} devices{_describe_tiles(tiles, backend)}",
                             kernel_backend=backend, swiglu_gradient=gradient, tiles=tiles)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
@@ -466,7 +466,7 @@ class ParallelPlan:
       backend, fallback = self._fused_kernels(op, unsupported)
       if backend:
         tiles = self.kernel_tiles
-        return OpChoice("fused", detail + _describe_tiles(tiles), kernel_backend=backend, tiles=tiles)
+        return OpChoice("fused", detail + _describe_tiles(tiles, backend), kernel_backend=backend, tiles=tiles)
     return OpChoice(self.tier.gathered_projection, detail, fallback=fallback)
 
   def _fused_kernels(self, op: str, unsupported: str | None) -> tuple[str, str]:
@@ -541,9 +541,10 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
   return {a: mesh.shape.get(a, 1) for a in MESH_AXES}
 
 
-def _describe_tiles(tiles: mosaic_tiles.Tiles) -> str:
-  """How the fused kernels' thread blocks work, for an op's detail (nothing for the default)."""
-  if tiles.consumers == 1:
+def _describe_tiles(tiles: mosaic_tiles.Tiles, backend: str) -> str:
+  """How the Mosaic GPU kernels' thread blocks work, for an op's detail (nothing for the default, or where
+  the kernels' plain-collective versions run: only their MoE tile plan takes the tiles' height)."""
+  if tiles.consumers == 1 or backend != "mosaic_gpu":
     return ""
   return f"; warp-specialised {tiles.block_m} x {tiles.block_n} tiles ({tiles.consumers} consumer warpgroups)"
 

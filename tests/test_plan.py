@@ -123,6 +123,10 @@ def test_kernel_tiles_reach_every_fused_op_and_decide_what_tiles():
   assert default.project_in(("data",), 256, 512, 384, jnp.bfloat16).implementation == "fused"
   narrow = hopper.project_in(("data",), 256, 512, 384, jnp.bfloat16)
   assert narrow.implementation == "ring" and "N=384 is not a multiple of its tile 256" in narrow.fallback
+  # The kernels' plain-collective versions have no thread blocks to describe.
+  plain = _gpu_plan(impl="pallas", kernel_tiles="warp_specialized", kernel_backend="collectives")
+  choice = plain.expert_ffn(ep=8, d=512, f=512, dtype=jnp.bfloat16)
+  assert choice.tiles == mosaic_tiles.HOPPER_TILES and "warp-specialised" not in choice.detail
 
 
 def test_kernels_fall_back_where_the_mesh_is_not_in_device_id_order():
