@@ -19,6 +19,9 @@ One function answers each question:
   is placed inside an op and so which axes it is gathered over (`weight_spec` against `param_spec`), and
   in what order the sequence must be for context-parallel attention (`sequence_order`).
 - The grouped GEMM of the unfused MoE paths (`grouped_gemm`), also for ops called with no plan active.
+  It and the other choices that depend only on the devices and the shapes (`Hardware`, `grouped_gemm_for`,
+  `attention_kernel`) are in hardware.py; the model's tensor-parallel blocks, which `build` walks, in
+  projection_blocks.py.
 
 Implementation names, per op (each op module holds the table that maps them to code):
 - attention: "local" (the sequence is not split), "allgather", "ring" (the plain ring), "zigzag_ring"
@@ -41,9 +44,8 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
@@ -53,13 +55,14 @@ from meshmoe.config import (EXCHANGE_FORMAT_FIELDS, MESH_AXES, Config, ConfigErr
                             check_weight_storage)
 from meshmoe.pallas_kernels import mosaic_tiles
 from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
-from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
 from meshmoe.sharding import attention_kernels, exchange_formats, gradient_sync, parallel, rules, tokamax_gemm
 from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
+from meshmoe.sharding.hardware import Hardware, attention_kernel, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.parallel import Axes
+from meshmoe.sharding.projection_blocks import attention_width, projection_blocks
 from meshmoe.sharding.rules import Preset, logical_to_spec
 from meshmoe.sharding.shardings import named_shardings
 
@@ -91,87 +94,11 @@ TIERS = {
 FUSED_KERNEL_BACKENDS = {"auto": "mosaic_gpu", "collectives": "collectives"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  """What the plan needs to know of the devices (the mesh's first; a mesh is one kind of device)."""
-
-  platform: str  # "cpu", "gpu" or "tpu"
-  device_kind: str  # e.g. "NVIDIA H100 80GB HBM3"
-  compute_capability: str  # GPUs: "9.0" on Hopper; "" elsewhere
-  num_sms: int  # GPUs: streaming multiprocessors of one device (fused kernels launch a block on each); else 0
-
-  @classmethod
-  def of(cls, device: jax.Device) -> Hardware:
-    gpu = device.platform == "gpu"
-    return cls(device.platform, str(getattr(device, "device_kind", "")),
-               str(getattr(device, "compute_capability", "") or "") if gpu else "",
-               int(getattr(device, "core_count", 0) or 0) if gpu else 0)
-
-  def describe(self) -> str:
-    if self.platform != "gpu":
-      return self.platform
-    return f"{self.device_kind or 'gpu'} (compute capability {self.compute_capability}, {self.num_sms} SMs)"
-
-
 def _formats_unsupported_by_kernels(formats) -> str | None:
   """Why the fused MoE kernels cannot run with these exchange formats (they move activation-dtype rows)."""
   if all(exchange_formats.is_plain(*pair) for pair in formats):
     return None
   return "the fused kernels exchange rows in the activation dtype, and a parallel.moe_*_dtype format is set"
-
-
-def grouped_gemm(requested: str, hardware: Hardware) -> str:
-  """The grouped GEMM of the unfused MoE paths: `parallel.grouped_gemm`, with "auto" resolved by platform:
-  CPUs get the blocked layout (XLA:CPU computes ragged_dot densely over every group), GPUs tokamax's
-  kernels (the blocked layout where those cannot run: `grouped_gemm_for`), TPUs XLA's ragged_dot."""
-  if requested != "auto":
-    return requested
-  return {"cpu": "blocked", "gpu": "tokamax"}.get(hardware.platform, "ragged_dot")
-
-
-# Operand dtypes tokamax's GPU grouped GEMM kernels take.
-TOKAMAX_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def grouped_gemm_for(gemm: str, hardware: Hardware, dtype, d: int,
-                     f: int) -> tuple[str, tokamax_gemm.Kernels | None, str]:
-  """(the grouped GEMM that runs for operands of `dtype`, tokens of width d and experts of width f, the
-  tokamax kernels it calls, why it is not `gemm`, or "")."""
-  if gemm != "tokamax":
-    return gemm, None, ""
-  kernels, why_not = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability, hardware.num_sms)
-  dtype = jnp.dtype(dtype)
-  if kernels and hardware.platform == "gpu":
-    if dtype not in TOKAMAX_DTYPES:
-      kernels, why_not = None, f"tokamax's grouped GEMM takes bfloat16/float16, not {dtype.name}"
-    elif d * dtype.itemsize % 16 or f * dtype.itemsize % 16:  # TMA copies rows of whole 16-byte units
-      kernels, why_not = None, (f"tokamax's grouped GEMM needs rows of whole 16-byte units: widths {d} and {f} "
-                                f"in {dtype.name} are not")
-    elif kernels.contraction == tokamax_gemm.MESHMOE and (why := (
-        grouped_weight_gradient.unsupported(d, 2 * f, dtype) or grouped_weight_gradient.unsupported(f, d, dtype))):
-      # Gate and up side by side, then down. tokamax's own Hopper weight gradient is wrong (tokamax_gemm.py).
-      kernels, why_not = None, f"on Hopper the weight gradients run meshmoe's kernel, which cannot take them: {why}"
-  if kernels is None:
-    return "blocked", None, why_not + ": the blocked GEMM runs"
-  return gemm, kernels, ""
-
-
-def attention_kernel(requested: str, hardware: Hardware) -> tuple[str, str]:
-  """(the kernel of attention's blocks, why it is not tokamax's GPU kernel where one was asked for, or "")
-  for `parallel.attention_kernel`: "" is the einsum blocks, else tokamax's "mosaic" (its Mosaic GPU flash
-  attention: forward sm80+, backward sm90/sm100 only), "triton" (its Pallas Triton one, forward and
-  backward, for sm80) or "xla" (its plain-XLA version: only to check the kernel path on CPU). "auto" is
-  the GPU kernel where there is one, else the einsum blocks. Operand dtypes and head sizes are checked by
-  `ParallelPlan.attention` (attention_kernels.unsupported)."""
-  if requested == "einsum" or (requested == "auto" and hardware.platform != "gpu"):
-    return "", ""
-  if hardware.platform != "gpu":
-    return "xla", ""
-  kernel = {"8": "triton", "9": "mosaic", "10": "mosaic"}.get(hardware.compute_capability.split(".")[0], "")
-  if not kernel:
-    return "", (f"tokamax has no flash attention kernel for compute capability "
-                f"{hardware.compute_capability or 'unknown'}: the einsum blocks run")
-  return kernel, ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -630,76 +557,3 @@ def _layer_schedule(plan: ParallelPlan, config: Config, moe: OpChoice) -> OpChoi
   if moe.implementation == "local":
     detail += "; here the MoE exchanges no tokens, so there is nothing to hide"
   return OpChoice("two_halves", detail)
-
-
-class Block(NamedTuple):
-  """One tensor-parallel block of every layer it is in: `project_in` of a [tokens, `gathered`] input by the
-  in-projections (logical names, global output width, input width), the per-device work, and `project_out`
-  by the out-projection (logical names, global contraction width; None when the block has none)."""
-
-  name: str
-  weights_in: list[tuple[tuple[str | None, ...], int, int]]
-  weight_out: tuple[tuple[str | None, ...], int] | None
-  gathered: int  # the width of what project_in gathers (the model width, or MLA's latents)
-  layers: int
-
-  @property
-  def flops_per_token(self) -> int:
-    """Multiply-adds x 2 of the block's projections for one token in one layer."""
-    out = self.weight_out[1] * self.weight_out_width if self.weight_out else 0
-    return 2 * (sum(width * in_width for _, width, in_width in self.weights_in) + out)
-
-  weight_out_width: int = 0  # the out-projection's output width (the model width)
-
-
-def attention_width(m) -> int:
-  """The head width attention's ops see: head_dim, or MLA's query/key width and value width, the narrower
-  padded to the wider (models/mla.py)."""
-  if m.attention == "mla":
-    return max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
-  return m.head_dim
-
-
-def attention_weights(m) -> list[tuple[tuple[str | None, ...], int]]:
-  """(logical names, elements) of one layer's attention weights, by kind of split (q and o split alike)."""
-  d, n = m.embed_dim, m.num_heads
-  if m.attention != "mla":
-    return [(("embed", "heads", "head_dim"), d * n * m.head_dim * 2),
-            (("embed", "kv_heads", "head_dim"), d * m.num_kv_heads * m.head_dim * 2)]
-  qk, rank, latent = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank, m.kv_lora_rank
-  weights = [(("embed", "kv_lora"), d * (latent + m.qk_rope_head_dim)),
-             (("kv_lora", "heads", "head_dim"), latent * n * (m.qk_nope_head_dim + m.v_head_dim)),
-             (("heads", "head_dim", "embed"), n * m.v_head_dim * d)]
-  if rank:
-    return [(("embed", "q_lora"), d * rank), (("q_lora", "heads", "head_dim"), rank * n * qk), *weights]
-  return [(("embed", "heads", "head_dim"), d * n * qk), *weights]
-
-
-def projection_blocks(config: Config) -> list[Block]:
-  """The model's tensor-parallel blocks (Block)."""
-  m, moe = config.model, config.model.moe
-  d, n = m.embed_dim, m.num_heads
-  num_moe = m.num_layers - m.num_dense_layers
-  if m.attention == "mla":
-    qk, latent, rank = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
-    down = [(("embed", "kv_lora"), latent + m.qk_rope_head_dim, d)]
-    query = [(("q_lora", "heads", "head_dim"), n * qk, rank)] if rank else [(("embed", "heads", "head_dim"), n * qk, d)]
-    if rank:
-      down.insert(0, (("embed", "q_lora"), rank, d))
-    blocks = [Block("attention_latent", down, None, d, m.num_layers),
-              Block("attention", query + [(("kv_lora", "heads", "head_dim"), n * (m.qk_nope_head_dim + m.v_head_dim),
-                                           latent)],
-                    (("heads", "head_dim", "embed"), n * m.v_head_dim), (rank or d) + latent, m.num_layers, d)]
-  else:
-    heads, kv_heads = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-    blocks = [Block("attention", [(heads, n * m.head_dim, d), (kv_heads, m.num_kv_heads * m.head_dim, d),
-                                  (kv_heads, m.num_kv_heads * m.head_dim, d)],
-                    (("heads", "head_dim", "embed"), n * m.head_dim), d, m.num_layers, d)]
-  if m.num_dense_layers:
-    blocks.append(Block("dense_mlp", [(("embed", "mlp"), m.mlp_dim, d)] * 2, (("mlp", "embed"), m.mlp_dim), d,
-                        m.num_dense_layers, d))
-  if moe.num_shared_experts and num_moe:
-    width = moe.num_shared_experts * moe.expert_mlp_dim
-    blocks.append(Block("shared_experts", [(("embed", "mlp"), width, d)] * 2, (("mlp", "embed"), width), d,
-                        num_moe, d))
-  return blocks

@@ -21,7 +21,7 @@ from flax import nnx
 from meshmoe.analysis import cost_model
 from meshmoe.config import resolve_mesh_sizes
 from meshmoe.models.decoder import Transformer
-from meshmoe.sharding import plan as plan_lib, rules
+from meshmoe.sharding import projection_blocks, rules
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs"
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_"))
@@ -134,5 +134,5 @@ def test_deepseek_v3_counts_match_published():
   counts = cost_model.active_params(m)
   assert counts["total"] == pytest.approx(DEEPSEEK_TOTAL, rel=0.005)
   assert counts["active"] == pytest.approx(DEEPSEEK_ACTIVE, rel=0.03)
-  attention = sum(elements for _, elements in plan_lib.attention_weights(m)) + m.q_lora_rank + m.kv_lora_rank
+  attention = sum(elements for _, elements in projection_blocks.attention_weights(m)) + m.q_lora_rank + m.kv_lora_rank
   assert attention == _mla_params_per_layer(m.embed_dim)

@@ -32,7 +32,8 @@ from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
 from meshmoe.sharding import exchange_formats, expert_parallel, gradient_sync, moe_pipeline
-from meshmoe.sharding.plan import ParallelPlan, attention_weights, attention_width, projection_blocks
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.projection_blocks import attention_weights, attention_width, projection_blocks
 
 
 @dataclasses.dataclass(frozen=True)

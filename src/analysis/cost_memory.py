@@ -36,7 +36,8 @@ from meshmoe.config import Config
 from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
-from meshmoe.sharding.plan import ParallelPlan, attention_width
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.projection_blocks import attention_width
 from meshmoe.sharding.shardings import logical_axes_of
 
 

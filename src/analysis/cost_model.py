@@ -23,7 +23,8 @@ import dataclasses
 from meshmoe.analysis import cost_collectives, cost_kernels, cost_memory
 from meshmoe.config import Config, ModelConfig
 from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
-from meshmoe.sharding.plan import ParallelPlan, attention_width, projection_blocks
+from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.projection_blocks import attention_width, projection_blocks
 
 
 @dataclasses.dataclass(frozen=True)
