@@ -205,7 +205,8 @@ class Consumer(GpuMachine):
     return ref.at[:, pl.ds(pl.multiple_of(self.consumer * width, width), width)]
 
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
-    """This consumer's columns of a_ref @ b_ref, from the tiles the producer loads (`copies` are its too)."""
+    """This consumer's columns of a_ref @ b_ref, from the tiles the producer loads (and the producer makes
+    the `copies`)."""
     shared, stages = self.shared, self.tiles.stages
     steps, width = a_ref.shape[1] // self.tiles.block_k, self.tiles.consumer_columns
     columns = pl.ds(pl.multiple_of(self.consumer * width, width), width)
