@@ -11,7 +11,6 @@ so each is waited on by the one block that owns it, as in the twin, where semaph
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
