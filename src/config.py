@@ -38,6 +38,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 LAYER_SCHEDULES = ("sequential", "two_halves")
 # How the fused MoE kernels' SwiGLU gets gate and up for its gradient (pallas_kernels/moe_dispatch_gemm/swiglu.py).
 SWIGLU_GRADIENTS = ("recompute", "keep")
+# The Mosaic GPU kernels' thread-block layouts (pallas_kernels/mosaic_tiles.LAYOUTS).
 KERNEL_TILES = ("one_warpgroup", "warp_specialized")
 # How the routed experts' gradients are summed over `data` (sharding/gradient_sync.py).
 GRADIENT_COMPRESSIONS = ("none", "bfloat16", "int8", "sign")
