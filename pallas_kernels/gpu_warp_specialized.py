@@ -200,16 +200,19 @@ class Consumer(GpuMachine):
   def consumer(self) -> jax.Array:
     return lax.axis_index(WG)
 
-  def _my_columns(self, ref):
+  def _columns(self) -> pl.Slice:
+    """This consumer's columns of an output tile."""
     width = self.tiles.consumer_columns
-    return ref.at[:, pl.ds(pl.multiple_of(self.consumer * width, width), width)]
+    return pl.ds(pl.multiple_of(self.consumer * width, width), width)
+
+  def _my_columns(self, ref):
+    return ref.at[:, self._columns()]
 
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
     """This consumer's columns of a_ref @ b_ref, from the tiles the producer loads (and the producer makes
     the `copies`)."""
     shared, stages = self.shared, self.tiles.stages
-    steps, width = a_ref.shape[1] // self.tiles.block_k, self.tiles.consumer_columns
-    columns = pl.ds(pl.multiple_of(self.consumer * width, width), width)
+    steps, width, columns = a_ref.shape[1] // self.tiles.block_k, self.tiles.consumer_columns, self._columns()
 
     def accumulate(acc_ref):
       @pl.loop(0, steps)
