@@ -11,16 +11,18 @@ from meshmoe.pallas_kernels import gpu_machine, gpu_warp_specialized, mosaic_til
 from meshmoe.pallas_kernels.gpu_machine import GpuMachine
 
 
-def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=None, transpose_b: bool = False):
+def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=None, transpose_b: bool = False,
+           sender: bool = False):
   """Runs `program(machine, *refs)` as `machine.num_blocks` thread blocks; with machine.tiles.consumers > 1,
-  warp-specialised (gpu_warp_specialized.py; `transpose_b`: the GEMMs' B operands are stored [N, K]).
+  warp-specialised (gpu_warp_specialized.py; `transpose_b`: the GEMMs' B operands are stored [N, K]; `sender`:
+  a sender warpgroup runs the program's send phase, which then overlaps the GEMMs).
   Kernels that communicate (those with semaphores) start with Mosaic GPU's device barrier: every device of
   the ring has entered the kernel before any block runs. A ring of one skips it, since the barrier needs
   NVSHMEM, which a single GPU should not."""
   params = dataclasses.replace(mosaic_tiles.compiler_params(), skip_device_barrier=not scratch_types)
   grid = dict(grid=(machine.num_blocks,), grid_names=(gpu_machine.AXIS,))
   if machine.tiles.consumers > 1:
-    body, threads = gpu_warp_specialized.kernel_body(program, machine, out_type, transpose_b)
+    body, threads = gpu_warp_specialized.kernel_body(program, machine, out_type, transpose_b, sender)
     grid |= threads
   else:
     body = lambda *refs: program(machine, *refs)

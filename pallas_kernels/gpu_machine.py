@@ -99,6 +99,14 @@ class GpuMachine:
     if peer is not None:
       self.signal(arrival, region_bytes(dst_ref), peer)
 
+  def send_phase(self, send_to, p: int) -> None:
+    """Runs send_to(offset) for offsets 0, ..., p-1 (the device `offset` steps clockwise; 0 is this one): a
+    phase of puts that waits for nothing. The local copies (offset 0) are complete when it returns; a
+    warp-specialised block with a sender overlaps the other offsets with what follows
+    (gpu_warp_specialized.py), and here one warpgroup runs them in turn."""
+    for offset in range(p):
+      send_to(offset)
+
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     """Stores a tile value into `dst_ref` (on `peer`) and, once complete, adds its bytes to `arrival`."""
     mosaic_tiles.store_tile(value, peer_ref(dst_ref, peer))

@@ -20,12 +20,18 @@ each step differs:
 - `await_arrival`, `await_notice`: the producer waits for the semaphore, then hands off to the consumers,
   who wait for the handoff.
 - `notify`: the producer.
+- `send_phase` (a phase of puts that waits for nothing), in a kernel launched with a sender: one more
+  warpgroup, the sender, runs all its puts, the local copies (offset 0) first, then arrives on
+  `sent_locally`; the producer and the consumers wait for that arrival and go on to the GEMMs while the
+  sender still puts to the peers. So a block's own outgoing tiles overlap its GEMMs. The sender owns the
+  staging buffer: in such a kernel every put is in the send phase (the producer's `put` refuses otherwise).
+  Without a sender, the producer runs the send phase's puts.
 
 The producer never holds a tile value (it keeps 40 registers): the arithmetic a protocol does on values
 runs on float32 scalars there, and its stores are skipped.
 
 Why this adds no deadlock and no race (PROTOCOL.md has the block-level argument):
-- Both views run the same item loops in the same order, so inside a block there is one program order,
+- All views run the same item loops in the same order, so inside a block there is one program order,
   and every intra-block wait is for an event earlier in it: a slot's tiles (loaded before they are
   consumed), a slot's release (after its previous use), a handoff (after the semaphore wait), the
   consumers' stores (before the signal).
@@ -36,6 +42,11 @@ Why this adds no deadlock and no race (PROTOCOL.md has the block-level argument)
 - Consumers read global memory only through the producer's loads, their own loads after a handoff, or
   kernel inputs; so every read of data from a peer is ordered after the producer's semaphore wait by an
   mbarrier release and acquire inside the block.
+- The sender's puts read kernel inputs and write peers' buffers (read there only after their arrival
+  waits) or, for offset 0, this block's own buffer, which the producer and the consumers read only after
+  they waited for `sent_locally`, arrived once the local copies are complete. The sender waits for
+  nothing outside the block, so the send phase always ends, as in the twin, which runs it before what
+  follows (one order of the same puts).
 - A signal of a put_value follows its consumers' complete stores: each consumer waits until its TMA
   stores are complete before it arrives on `stored`; consumer 0 waits for all arrivals, then signals (a
   system-scope release).
@@ -59,11 +70,15 @@ from meshmoe.pallas_kernels.gpu_machine import GpuMachine
 WG = "wg"
 # Registers per thread the producer keeps (no tile values); the consumers share the rest of the register file.
 PRODUCER_REGISTERS = 40
+# The sender issues TMA copies and counts loop indices: the least a warpgroup may keep (setmaxnreg's floor).
+SENDER_REGISTERS = 24
 
 
-def consumer_registers(consumers: int) -> int:
-  """Registers per consumer thread: a block's 64K split after the producer's, at most 256, a multiple of 8."""
-  return int(min(256, (512 - PRODUCER_REGISTERS) / consumers) // 8 * 8)
+def consumer_registers(consumers: int, sender: bool = False) -> int:
+  """Registers per consumer thread: a block's 64K (512 per thread of a warpgroup) split after the producer's
+  and the sender's, at most 256, a multiple of 8."""
+  left = 512 - PRODUCER_REGISTERS - (SENDER_REGISTERS if sender else 0)
+  return int(min(256, left / consumers) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +97,12 @@ class Shared:
   handoff: object  # the producer has waited for a semaphore
   handoff_taken: object  # C arrivals: every consumer has seen the last handoff
   stored: object  # C arrivals: every consumer's put_value stores are complete
+  sent_locally: object = None  # the sender's local copies are complete (None: no sender)
 
 
-def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool):
-  """(body, launch options) of a warp-specialised kernel that runs `program(view, *refs)` (gpu_kernel.launch)."""
+def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool, sender: bool):
+  """(body, launch options) of a warp-specialised kernel that runs `program(view, *refs)` (gpu_kernel.launch);
+  with `sender`, a sender warpgroup runs the program's send phase (module docstring)."""
   tiles, consumers = machine.tiles, machine.tiles.consumers
   dtypes = {jnp.dtype(t.dtype) for t in jax.tree.leaves(out_type)}
   if len(dtypes) != 1:
@@ -103,6 +120,8 @@ def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool):
       staging=plgpu.SMEM(tiles.staging_shape(), dtype), staged=plgpu.Barrier(),
       handoff=plgpu.Barrier(), handoff_taken=plgpu.Barrier(num_arrivals=consumers),
       stored=plgpu.Barrier(num_arrivals=consumers))
+  if sender:
+    scratch["sent_locally"] = plgpu.Barrier()
 
   def body(*refs):
     def with_shared(**buffers):
@@ -121,16 +140,22 @@ def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool):
 
       @pl.when(wg < consumers)
       def _consumers():
-        plgpu.set_max_registers(consumer_registers(consumers), action="increase")
+        plgpu.set_max_registers(consumer_registers(consumers, sender), action="increase")
         for slot in range(s):  # every slot starts released, and no handoff is outstanding
           plgpu.barrier_arrive(shared.released.at[slot])
         plgpu.barrier_arrive(shared.handoff_taken)
         program(Consumer(machine, shared), *refs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the output slot
 
+      if sender:
+        @pl.when(wg == consumers + 1)
+        def _sender():
+          plgpu.set_max_registers(SENDER_REGISTERS, action="decrease")
+          program(Sender(machine, shared), *refs)
+
     pl.run_scoped(with_shared, **scratch, collective_axes=WG)
 
-  return body, dict(num_threads=consumers + 1, thread_name=WG)
+  return body, dict(num_threads=consumers + 1 + sender, thread_name=WG)
 
 
 class Producer(GpuMachine):
@@ -170,12 +195,20 @@ class Producer(GpuMachine):
     pass
 
   def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
-    gpu_machine.copy_through(self.shared.staging, self.shared.staged, src_ref, gpu_machine.peer_ref(dst_ref, peer))
-    if peer is not None:
-      self.signal(arrival, gpu_machine.region_bytes(dst_ref), peer)
+    if self.shared.sent_locally is not None:
+      raise ValueError("a kernel with a sender warpgroup puts only in its send phase: the sender owns the "
+                       "staging buffer")
+    _staged_put(self, src_ref, dst_ref, peer, arrival)
 
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     pass
+
+  def send_phase(self, send_to, p: int) -> None:
+    """Without a sender, runs the puts; with one, waits until the sender's local copies are complete."""
+    if self.shared.sent_locally is None:
+      super().send_phase(send_to, p)
+    else:
+      plgpu.barrier_wait(self.shared.sent_locally)
 
   def await_arrival(self, arrival, region_ref) -> None:
     self._hand_off(lambda: super(Producer, self).await_arrival(arrival, region_ref))
@@ -262,6 +295,12 @@ class Consumer(GpuMachine):
   def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
     pass
 
+  def send_phase(self, send_to, p: int) -> None:
+    """The puts are the producer's or the sender's; with a sender, waits until its local copies are complete
+    (what follows may read them)."""
+    if self.shared.sent_locally is not None:
+      plgpu.barrier_wait(self.shared.sent_locally)
+
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     self._store_columns(value, gpu_machine.peer_ref(dst_ref, peer))
     if peer is None:
@@ -286,6 +325,58 @@ class Consumer(GpuMachine):
   def _take_handoff(self) -> None:
     plgpu.barrier_wait(self.shared.handoff)
     plgpu.barrier_arrive(self.shared.handoff_taken)
+
+
+class Sender(GpuMachine):
+  """The sender warpgroup's view: it runs the puts of the send phase and nothing else (module docstring)."""
+
+  def __init__(self, machine: GpuMachine, shared: Shared):
+    super().__init__(machine.axes, machine.num_blocks, machine.tiles)
+    self.shared, self._sending = shared, False
+
+  def send_phase(self, send_to, p: int) -> None:
+    self._sending = True
+    send_to(0)  # local copies: complete when each put returns
+    plgpu.barrier_arrive(self.shared.sent_locally)
+    for offset in range(1, p):
+      send_to(offset)
+    self._sending = False
+
+  def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
+    if self._sending:
+      _staged_put(self, src_ref, dst_ref, peer, arrival)
+
+  def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
+    return _no_value()
+
+  def load(self, ref) -> jax.Array:
+    return _no_value()
+
+  def store(self, value, ref) -> None:
+    pass
+
+  def zero(self, ref) -> None:
+    pass
+
+  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
+    pass
+
+  def await_arrival(self, arrival, region_ref) -> None:
+    pass
+
+  def await_notice(self, notices, index) -> None:
+    pass
+
+  def notify(self, notices, index, owner) -> None:
+    pass
+
+
+def _staged_put(view, src_ref, dst_ref, peer, arrival) -> None:
+  """A put through the staging buffer of `view` (the producer or the sender; gpu_machine.copy_through), then
+  its signal."""
+  gpu_machine.copy_through(view.shared.staging, view.shared.staged, src_ref, gpu_machine.peer_ref(dst_ref, peer))
+  if peer is not None:
+    view.signal(arrival, gpu_machine.region_bytes(dst_ref), peer)
 
 
 def _no_value() -> jax.Array:

@@ -96,6 +96,12 @@ class TwinMachine:
 
     pl.run_scoped(send, pltpu.SemaphoreType.DMA)
 
+  def send_phase(self, send_to, p: int) -> None:
+    """The puts of send_to(offset) for offsets 0, ..., p-1, in turn: one order the GPU's sender may run them
+    in, alongside what follows (PROTOCOL.md); they wait for nothing, so any order ends."""
+    for offset in range(p):
+      send_to(offset)
+
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
     def stage(vmem):
       vmem[...] = value.astype(vmem.dtype)

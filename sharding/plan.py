@@ -357,7 +357,7 @@ class ParallelPlan:
       if backend:
         gradient = self.parallel.moe_swiglu_gradient
         return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
-                            f"grouped GEMM + return over {ep} devices{_describe_tiles(tiles, backend)}",
+                            f"grouped GEMM + return over {ep} devices{_describe_tiles(tiles, backend, sender=True)}",
                             kernel_backend=backend, swiglu_gradient=gradient, tiles=tiles)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
@@ -468,12 +468,14 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
   return {a: mesh.shape.get(a, 1) for a in MESH_AXES}
 
 
-def _describe_tiles(tiles: mosaic_tiles.Tiles, backend: str) -> str:
+def _describe_tiles(tiles: mosaic_tiles.Tiles, backend: str, sender: bool = False) -> str:
   """How the Mosaic GPU kernels' thread blocks work, for an op's detail (nothing for the default, or where
-  the kernels' plain-collective versions run: only their MoE tile plan takes the tiles' height)."""
+  the kernels' plain-collective versions run: only their MoE tile plan takes the tiles' height). `sender`:
+  the op's dispatch kernel puts to peers from a sender warpgroup (gpu_warp_specialized.py)."""
   if tiles.consumers == 1 or backend != "mosaic_gpu":
     return ""
-  return f"; warp-specialised {tiles.block_m} x {tiles.block_n} tiles ({tiles.consumers} consumer warpgroups)"
+  senders = "; the dispatch's puts from a sender warpgroup" if sender else ""
+  return f"; warp-specialised {tiles.block_m} x {tiles.block_n} tiles ({tiles.consumers} consumer warpgroups{senders})"
 
 
 def _describe_axes(plan: ParallelPlan, axes: Axes) -> str:

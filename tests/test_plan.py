@@ -119,6 +119,8 @@ def test_kernel_tiles_reach_every_fused_op_and_decide_what_tiles():
     for choice in choices:
       assert (choice.implementation, choice.tiles) == ("fused", tiles), choice
       assert ("warp-specialised 128 x 256 tiles" in choice.detail) == (tiles.consumers > 1), choice.detail
+    # Only the MoE dispatch kernel has a send phase for a sender warpgroup.
+    assert ["sender warpgroup" in choice.detail for choice in choices] == [False, False, tiles.consumers > 1]
   # 384 columns tile by 128, not by the warp-specialised layout's 256.
   assert default.project_in(("data",), 256, 512, 384, jnp.bfloat16).implementation == "fused"
   narrow = hopper.project_in(("data",), 256, 512, 384, jnp.bfloat16)

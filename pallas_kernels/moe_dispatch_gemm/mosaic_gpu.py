@@ -50,7 +50,7 @@ def dispatch_gemm(xs_SD: jax.Array, weights: Sequence[jax.Array], plan: TilePlan
       functools.partial(protocol.run, p=p, num_weights=len(weights), swiglu=swiglu, transposed=transposed), machine,
       out_type=out_type,
       scratch_types=[gpu_machine.arrival_type((r_tiles,))] if p > 1 else [],
-      interpret=interpret, transpose_b=transposed,
+      interpret=interpret, transpose_b=transposed, sender=True,
   )(*(getattr(plan, name) for name in SCALARS), xs_SD, *weights)
   return tuple(ring.varying_like(out, xs_SD, *weights, axes=axes) for out in outs)
 

@@ -3,7 +3,9 @@
 
 1. send, one pass per peer (the device at offset 0, 1, ..., P-1): my used send tile s, run by block
    s mod B, is put into tile send_dst_tile[s] of the receiver's buffer xr, whose arrivals[that tile] counts
-   its bytes. Tiles for myself are copied locally. Nothing here waits for a peer.
+   its bytes. Tiles for myself are copied locally. Nothing here waits for a peer: it is the machine's
+   send phase, which a warp-specialised GPU block runs on its sender warpgroup, so the puts to peers
+   overlap phases 2 and 3 (the local copies are complete before them).
 2. zero: receive tiles past num_recv (no peer writes them) are zeroed, tile m by block m mod B.
 3. land and compute: used receive tile m is run by the block with the index of the block that sent it,
    recv_src_tile[m] mod B (the twin's DMA semaphore is on that block; on the GPU it is the block that
@@ -33,7 +35,7 @@ def run(machine, send_dst, send_dst_tile, num_send, recv_expert, recv_src, recv_
   tile = lambda t: pl.ds(t * tiles.block_m, tiles.block_m)
   me = ring.index(machine.axes)
 
-  for offset in range(p):
+  def send_to(offset):
     dst, peer = machine.peer(offset)
 
     @machine.items(num_send[0])
@@ -45,6 +47,8 @@ def run(machine, send_dst, send_dst_tile, num_send, recv_expert, recv_src, recv_
           machine.put(xs_ref.at[tile(s)], target)
         else:
           machine.put(xs_ref.at[tile(s)], target, peer, arrivals.at[send_dst_tile[s]])
+
+  machine.send_phase(send_to, p)
 
   @machine.items(xr_ref.shape[0] // tiles.block_m)
   def _zero_unused(m):

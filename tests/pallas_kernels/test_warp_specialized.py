@@ -10,6 +10,11 @@ phases (a phase waited twice, or completed and never observed, fails the kernel)
 (conftest.py) checks that every read of shared and global memory is ordered after the write it needs. The
 same program without its arrival wait, whose consumers then read what the producer is still putting, is
 flagged. The result must equal x @ w + x.
+
+A kernel with a sender warpgroup runs its send phase there, alongside the GEMMs: the program below copies
+x locally and "to two peers" in its send phase, then multiplies the local copy. The sender's local
+copies must be complete before the producer's loads and the consumers' read them, which the race detector
+checks; a sender that announces its local copies before making them is flagged.
 """
 
 import functools
@@ -19,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from meshmoe.pallas_kernels import gpu_kernel, gpu_machine
+from meshmoe.pallas_kernels import gpu_kernel, gpu_machine, gpu_warp_specialized
 from meshmoe.pallas_kernels.gpu_machine import GpuMachine
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 from tests.pallas_kernels import harness
@@ -46,11 +52,41 @@ def _program(machine, x_ref, w_ref, out_ref, copy_ref, awaits: bool = True):
     machine.put_value(acc, out_ref.at[tile(m)], PEER, None)
 
 
-def _run(x, w, num_blocks: int, program=_program):
+PEERS = 2  # the send phase's "peers" (all the local device here)
+
+
+def _send_then_compute(machine, x_ref, w_ref, out_ref, local_ref, sent_ref):
+  """The send phase copies x into `local` and into `sent` once per peer; then, per row tile m, the local
+  copy's tile is read back and multiplied: out = local @ w + local."""
+  tiles = machine.tiles
+  tile = lambda t: pl.ds(t * tiles.block_m, tiles.block_m)
+  row_tiles = x_ref.shape[0] // tiles.block_m
+
+  def send_to(offset):
+    @machine.items(row_tiles)
+    def _send(m):
+      if offset == 0:
+        machine.put(x_ref.at[tile(m)], local_ref.at[tile(m)])
+      else:
+        machine.put(x_ref.at[tile(m)], sent_ref.at[tile((offset - 1) * row_tiles + m)], PEER, None)
+
+  machine.send_phase(send_to, 1 + PEERS)
+
+  @machine.items(row_tiles)
+  def _compute(m):
+    landed = machine.load(local_ref.at[tile(m)]).astype(jnp.float32)
+    machine.store(machine.matmul(local_ref.at[tile(m)], w_ref) + landed, out_ref.at[tile(m)])
+
+
+def _run(x, w, num_blocks: int, program=_program, sender: bool = False):
   machine = GpuMachine((), num_blocks, TILES)
   out_type = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2
-  kernel = gpu_kernel.launch(program, machine, out_type=out_type, scratch_types=[], interpret=harness.GPU_INTERPRET)
-  return harness.per_device(lambda x, w: tuple(kernel(x, w)), harness.one_device_ring(), (P(), P()), (P(), P()))(x, w)
+  if sender:
+    out_type.append(jax.ShapeDtypeStruct((PEERS * x.shape[0], x.shape[1]), x.dtype))
+  kernel = gpu_kernel.launch(program, machine, out_type=out_type, scratch_types=[], interpret=harness.GPU_INTERPRET,
+                             sender=sender)
+  return harness.per_device(lambda x, w: tuple(kernel(x, w)), harness.one_device_ring(), (P(), P()),
+                            (P(),) * len(out_type))(x, w)
 
 
 @pytest.fixture
@@ -87,3 +123,34 @@ def test_handoffs_inside_a_block_pair_up_without_races(no_semaphores, num_blocks
 def test_the_race_detector_catches_consumers_reading_before_the_handoff(no_semaphores):
   _run(*_operands(), num_blocks=1, program=functools.partial(_program, awaits=False))
   assert harness.take_race_verdicts() == ["Mosaic GPU kernel #0 in the interpreter"]
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2])
+def test_a_sender_overlaps_its_puts_with_the_gemms_without_races(no_semaphores, num_blocks):
+  x, w = _operands()
+  out, local, sent = _run(x, w, num_blocks, program=_send_then_compute, sender=True)
+  assert harness.take_race_verdicts() == []
+  np.testing.assert_array_equal(np.asarray(local), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(sent), np.tile(np.asarray(x), (PEERS, 1)))
+  f32 = lambda a: np.asarray(a, np.float32)
+  assert_close(f32(out), f32(x) @ f32(w) + f32(x), harness.BF16_RTOL, "local @ w + local")
+  # Only the sender signals: one signal per put to a peer, each tile's bytes (traced once).
+  assert no_semaphores == [x.dtype.itemsize * TILES.block_m * x.shape[1]] * PEERS
+
+
+def test_the_race_detector_catches_a_sender_announcing_its_local_copies_too_early(no_semaphores, monkeypatch):
+  def announce_first(self, send_to, p):
+    plgpu.barrier_arrive(self.shared.sent_locally)
+    self._sending = True
+    for offset in range(p):
+      send_to(offset)
+    self._sending = False
+
+  monkeypatch.setattr(gpu_warp_specialized.Sender, "send_phase", announce_first)
+  _run(*_operands(), num_blocks=1, program=_send_then_compute, sender=True)
+  assert harness.take_race_verdicts() == ["Mosaic GPU kernel #0 in the interpreter"]
+
+
+def test_a_kernel_with_a_sender_refuses_a_put_outside_its_send_phase():
+  with pytest.raises(ValueError, match="puts only in its send phase"):
+    _run(*_operands(), num_blocks=1, sender=True)
