@@ -75,6 +75,11 @@ class GpuMachine:
             self.signal(arrival, region_bytes(dst_ref), peer)
     return acc
 
+  def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
+    """The sum of a_ref @ b_ref over `pairs` (each as `matmul`'s, no copies) in float32, accumulated in one
+    accumulator (one tile of registers however many products)."""
+    return mosaic_tiles.matmul_sum(pairs, self.tiles, transpose_b)
+
   def load(self, ref) -> jax.Array:
     return mosaic_tiles.load_tile(ref)
 

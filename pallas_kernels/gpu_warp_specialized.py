@@ -12,7 +12,8 @@ each step differs:
 
 - `matmul`: the producer puts the A rows to `copies`, then loads the A and B tiles into the ring, each
   slot once the consumers have released it; the consumers wait for a slot's tiles, run WGMMA, and
-  release the slot one step later.
+  release the slot one step later. `matmul_sum`: the same for each product in turn, the consumers
+  accumulating all of them in one accumulator.
 - `put`: the producer, TMA loads and stores through its staging slots, then the signal.
 - `put_value`: the consumers store their columns; once all are complete, consumer 0 signals.
 - `store`, `zero`, `load`: the consumers, their columns, through their own output slot (the producer's
@@ -185,6 +186,12 @@ class Producer(GpuMachine):
 
     return _no_value()
 
+  def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
+    """Loads each product's tiles in turn, as `matmul` does."""
+    for a_ref, b_ref in pairs:
+      self.matmul(a_ref, b_ref, transpose_b=transpose_b)
+    return _no_value()
+
   def load(self, ref) -> jax.Array:
     return _no_value()
 
@@ -244,29 +251,40 @@ class Consumer(GpuMachine):
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
     """This consumer's columns of a_ref @ b_ref, from the tiles the producer loads (and the producer makes
     the `copies`)."""
-    shared, stages = self.shared, self.tiles.stages
-    steps, width, columns = a_ref.shape[1] // self.tiles.block_k, self.tiles.consumer_columns, self._columns()
+    return self.matmul_sum([(a_ref, b_ref)], transpose_b)
+
+  def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
+    """This consumer's columns of the sum of a_ref @ b_ref over `pairs`, in one accumulator, from the tiles
+    the producer loads for each product in turn."""
 
     def accumulate(acc_ref):
-      @pl.loop(0, steps)
-      def _step(k):
-        slot = lax.rem(k, stages)
-        plgpu.barrier_wait(shared.a_loaded.at[slot])
-        plgpu.barrier_wait(shared.b_loaded.at[slot])
-        b_tile = shared.b_ring.at[slot]
-        plgpu.wgmma(acc_ref, shared.a_ring.at[slot], b_tile.at[columns].T if transpose_b else b_tile.at[:, columns])
-        # The previous step's WGMMA is complete now (one left in flight): release its slot.
-        plgpu.wgmma_wait(1)
-
-        @pl.when(k > 0)
-        def _():
-          plgpu.barrier_arrive(shared.released.at[lax.rem(k + stages - 1, stages)])
-
-      plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(shared.released.at[(steps - 1) % stages])
+      for a_ref, b_ref in pairs:
+        self._accumulate(acc_ref, a_ref.shape[1] // self.tiles.block_k, transpose_b)
       return acc_ref[...]
 
-    return pl.run_scoped(accumulate, plgpu.ACC((self.tiles.block_m, width), jnp.float32))
+    return pl.run_scoped(accumulate, plgpu.ACC((self.tiles.block_m, self.tiles.consumer_columns), jnp.float32))
+
+  def _accumulate(self, acc_ref, steps: int, transpose_b: bool) -> None:
+    """Adds this consumer's columns of one product, `steps` K steps from the producer's ring, to acc_ref;
+    every slot is released when it returns."""
+    shared, stages, columns = self.shared, self.tiles.stages, self._columns()
+
+    @pl.loop(0, steps)
+    def _step(k):
+      slot = lax.rem(k, stages)
+      plgpu.barrier_wait(shared.a_loaded.at[slot])
+      plgpu.barrier_wait(shared.b_loaded.at[slot])
+      b_tile = shared.b_ring.at[slot]
+      plgpu.wgmma(acc_ref, shared.a_ring.at[slot], b_tile.at[columns].T if transpose_b else b_tile.at[:, columns])
+      # The previous step's WGMMA is complete now (one left in flight): release its slot.
+      plgpu.wgmma_wait(1)
+
+      @pl.when(k > 0)
+      def _():
+        plgpu.barrier_arrive(shared.released.at[lax.rem(k + stages - 1, stages)])
+
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(shared.released.at[(steps - 1) % stages])
 
   def _store_columns(self, value, ref) -> None:
     """Writes this consumer's columns of a tile through its output slot (not waiting for completion)."""
@@ -347,6 +365,9 @@ class Sender(GpuMachine):
       _staged_put(self, src_ref, dst_ref, peer, arrival)
 
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
+    return _no_value()
+
+  def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
     return _no_value()
 
   def load(self, ref) -> jax.Array:

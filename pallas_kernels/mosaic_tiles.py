@@ -101,6 +101,24 @@ def matmul_tile(a_gmem, b_gmem, tiles: Tiles, on_a_tile: Callable[[jax.Array, ob
   """a_gmem [block_m, K] @ b_gmem [K, block_n] as a float32 value; with `transpose_b`, b_gmem is
   [block_n, K] and WGMMA reads its shared-memory tiles transposed. `on_a_tile(k_index, a_smem)` runs
   for each A tile once it is in shared memory (before the buffer is reused), e.g. to send it on."""
+  return matmul_sum([(a_gmem, b_gmem)], tiles, transpose_b, on_a_tile)
+
+
+def matmul_sum(pairs, tiles: Tiles, transpose_b: bool = False, on_a_tile=None) -> jax.Array:
+  """The sum of a_gmem @ b_gmem over `pairs` (each as matmul_tile's operands) as a float32 value: every
+  product is accumulated into one accumulator, so a sum holds one tile in registers, not one per product."""
+
+  def accumulate(acc_ref):
+    for a_gmem, b_gmem in pairs:
+      _accumulate(acc_ref, a_gmem, b_gmem, tiles, on_a_tile, transpose_b)
+    return acc_ref[...]
+
+  return pl.run_scoped(accumulate, plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32))
+
+
+def _accumulate(acc_ref, a_gmem, b_gmem, tiles: Tiles, on_a_tile, transpose_b: bool) -> None:
+  """Adds a_gmem @ b_gmem to acc_ref through a pipeline of `stages` TMA loads; every WGMMA is complete when
+  it returns."""
   k = a_gmem.shape[1]
   # Each step's buffers are released one step late (delay_release=1), so a step may leave its WGMMA in
   # flight (wgmma_wait(1): all but the newest are complete) and the tensor cores never wait for the issue
@@ -117,17 +135,13 @@ def matmul_tile(a_gmem, b_gmem, tiles: Tiles, on_a_tile: Callable[[jax.Array, ob
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the A buffer is refilled after this step
     plgpu.wgmma_wait(1)
 
-  def accumulate(acc_ref):
-    plgpu.emit_pipeline(
-        functools.partial(_with_acc, step, acc_ref),
-        grid=(k // tiles.block_k,),
-        in_specs=[plgpu.BlockSpec((tiles.block_m, tiles.block_k), lambda ki: (0, ki), delay_release=1), b_spec],
-        max_concurrent_steps=tiles.stages,
-    )(a_gmem, b_gmem)
-    plgpu.wgmma_wait(0)  # the last step's WGMMA
-    return acc_ref[...]
-
-  return pl.run_scoped(accumulate, plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32))
+  plgpu.emit_pipeline(
+      functools.partial(_with_acc, step, acc_ref),
+      grid=(k // tiles.block_k,),
+      in_specs=[plgpu.BlockSpec((tiles.block_m, tiles.block_k), lambda ki: (0, ki), delay_release=1), b_spec],
+      max_concurrent_steps=tiles.stages,
+  )(a_gmem, b_gmem)
+  plgpu.wgmma_wait(0)  # the last step's WGMMA
 
 
 def _with_acc(step, acc_ref, indices, a_smem, b_smem):

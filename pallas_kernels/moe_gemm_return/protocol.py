@@ -41,12 +41,9 @@ def run(machine, recv_expert, recv_src, recv_src_tile, num_recv, send_dst, send_
       @pl.when(recv_src[m] == owner)
       def _():
         columns = pl.ds(ni * tiles.block_n, tiles.block_n)
-        acc = None
-        for h_ref, w_ref in zip(h_refs, w_refs):
-          product = machine.matmul(h_ref.at[tile(m)],
-                                   moe_routing.weight_columns(w_ref, recv_expert[m], columns, transposed),
-                                   transpose_b=transposed)
-          acc = product if acc is None else acc + product
+        acc = machine.matmul_sum([(h_ref.at[tile(m)], moe_routing.weight_columns(w_ref, recv_expert[m], columns,
+                                                                                  transposed))
+                                  for h_ref, w_ref in zip(h_refs, w_refs)], transpose_b=transposed)
         target = ret_ref.at[tile(recv_src_tile[m]), columns]
         if offset == 0:
           machine.put_value(acc, target)

@@ -271,32 +271,35 @@ WS_TILES = Tiles(64, 128, 64, 2, consumers=2)
                          ids=["1-block", "3-blocks", "transposed", "ws", "ws-transposed"])
 def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed, tiles):
   """With `transposed`, the kernels get the weights stored transposed and multiply them transposed (as
-  the backward passes do)."""
+  the backward passes do). The return kernel sums two products per tile (h @ down + roll(h) @ down2), as
+  the SwiGLU layer's backward does with the gate's and the up projection's gradients."""
   mesh = harness.one_device_ring()
   tokens, d, f, e_local = 96, 256, 128, 3
   rng = np.random.default_rng(num_blocks)
   experts = rng.integers(0, e_local, (tokens, TOP_K)).astype(np.int32)
   experts[:10] = e_local  # dropped
-  keys = jax.random.split(jax.random.key(5), 3)
+  keys = jax.random.split(jax.random.key(5), 4)
   x = jax.random.normal(keys[0], (tokens, d), jnp.float32).astype(jnp.bfloat16)
   gate = (jax.random.normal(keys[1], (e_local, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  down = (jax.random.normal(keys[2], (e_local, f, d), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16)
+  down, down2 = ((jax.random.normal(k, (e_local, f, d), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16)
+                 for k in keys[2:])
 
   def stages(dispatch, gemm_return):
-    def per_device(x_TD, experts_TK, gate, down):
+    def per_device(x_TD, experts_TK, gate, down, down2):
       t, k = experts_TK.shape
       plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, 64)
       xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, 64, plan.send_dst.shape[0])
       xr, h = dispatch(xs, (gate,), plan, ("x",))
-      return xr, h, gemm_return((h,), (down,), plan, ("x",))
-    return harness.per_device(per_device, mesh, (P("x"),) * 4, (P("x"),) * 3)
+      return xr, h, gemm_return((h, jnp.roll(h, 1, axis=1)), (down, down2), plan, ("x",))
+    return harness.per_device(per_device, mesh, (P("x"),) * 5, (P("x"),) * 3)
 
   options = dict(num_blocks=num_blocks, transposed=transposed, tiles=tiles, interpret=harness.GPU_INTERPRET)
   stored = (lambda w: jnp.swapaxes(w, 1, 2)) if transposed else (lambda w: w)
   kernel = lambda xs, ws, plan, axes: dispatch_mosaic.dispatch_gemm(xs, tuple(map(stored, ws)), plan, axes, **options)
   back = lambda hs, ws, plan, axes: return_mosaic.gemm_return(hs, tuple(map(stored, ws)), plan, axes, **options)
-  got = stages(kernel, back)(x, experts, gate, down)
-  want = stages(dispatch_api.reference.dispatch_gemm, return_api.reference.gemm_return)(x, experts, gate, down)
+  got = stages(kernel, back)(x, experts, gate, down, down2)
+  want = stages(dispatch_api.reference.dispatch_gemm, return_api.reference.gemm_return)(x, experts, gate, down,
+                                                                                          down2)
   for g, w, name in zip(got, want, ("received rows", "products", "returned rows")):
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
 
