@@ -9,11 +9,15 @@ in src/analysis/gpu_specs/), or cpu. Prints the cost model's figures beside the 
 FLOPs, peak memory, bytes per collective kind and how much of it overlaps compute) and whether the step fits
 in device memory; writes the JSON report (meshmoe.analysis.aot) to --out. Needs the `deviceless` extra for GPU
 targets (the CUDA PJRT plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it does not.
+--kernel_resources adds each Mosaic GPU kernel's registers and spills as ptxas reports them (compiled;
+meshmoe.analysis.kernel_resources).
 """
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 from absl import app, flags
 
@@ -26,6 +30,10 @@ _HOSTS = flags.DEFINE_integer("hosts", 1, "hosts the GPUs are spread over (devic
                               lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "where to write the JSON report (default: print only)")
 _HLO = flags.DEFINE_string("hlo", None, "where to write the compiled, scheduled HLO text (optional)")
+_KERNEL_RESOURCES = flags.DEFINE_bool(
+    "kernel_resources", False, "GPU targets: also report each Mosaic GPU kernel's registers and spilled bytes "
+    "from ptxas (its dumps go to a temporary folder, removed after; jaxlib says on stderr, once per kernel, that "
+    "it found no nvdisasm, which only its disassembly needs)")
 
 
 def main(argv):
@@ -45,15 +53,27 @@ def main(argv):
   from meshmoe.config import ConfigError
   from meshmoe.runtime import xla_flags
 
+  from meshmoe.analysis import kernel_resources
+
+  dumps = tempfile.mkdtemp(prefix="meshmoe_kernels_") if _KERNEL_RESOURCES.value and _TARGET.value != "cpu" else None
   try:
     config.validate(_DEVICES.value)
     xla_flags.apply(config.parallel.xla_flags)
     from meshmoe.analysis import aot
 
+    if dumps:
+      kernel_resources.dump_to(dumps)
     report = aot.analyze(config, _TARGET.value, _DEVICES.value, _HOSTS.value)
+    if dumps:
+      report.data["mosaic_kernels"] = kernel_resources.read(dumps)
   except (ConfigError, RuntimeError, ValueError) as e:
     sys.exit(f"error: {e}")
+  finally:
+    if dumps:
+      shutil.rmtree(dumps, ignore_errors=True)
   print(report.table())
+  if "mosaic_kernels" in report.data:
+    print("\n".join(kernel_resources.format_lines(report.data["mosaic_kernels"])))
   try:
     if out:
       out.write_text(json.dumps(report.data, indent=1) + "\n")

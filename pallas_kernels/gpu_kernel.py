@@ -26,5 +26,22 @@ def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=N
     grid |= threads
   else:
     body = lambda *refs: program(machine, *refs)
-  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, compiler_params=params,
-                      interpret=interpret, **grid)
+  return plgpu.kernel(named(body, program_name(program)), out_type=out_type, scratch_types=scratch_types,
+                      compiler_params=params, interpret=interpret, **grid)
+
+
+def program_name(program) -> str:
+  """The kernel's name: its program's module under pallas_kernels, e.g. moe_dispatch_gemm or
+  moe_dispatch_gemm_swiglu (Mosaic GPU names the compiled kernel, and its ptxas report, after it)."""
+  module = getattr(program, "func", program).__module__
+  parts = [part for part in module.removeprefix("meshmoe.pallas_kernels.").split(".") if part != "protocol"]
+  return "_".join(parts)
+
+
+def named(body, name: str):
+  """`body` as a function called `name` (Mosaic GPU takes a kernel's name from its body function's)."""
+  def kernel(*refs):
+    body(*refs)
+
+  kernel.__name__ = kernel.__qualname__ = name
+  return kernel

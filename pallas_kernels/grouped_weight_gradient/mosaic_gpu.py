@@ -35,11 +35,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from meshmoe.pallas_kernels import mosaic_tiles, ring
+from meshmoe.pallas_kernels import gpu_kernel, mosaic_tiles, ring
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
 
 # Registers the producer warpgroup keeps (it holds no accumulator; the rest go to the consumers).
+KERNEL_NAME = "grouped_weight_gradient"  # the compiled kernel's (and its ptxas report's) name
 PRODUCER_REGISTERS = 40
 
 
@@ -81,9 +82,9 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
   out_type = jax.ShapeDtypeStruct((num_experts, d, f), like.dtype)
   if tiles.consumers > 1:
     body = functools.partial(_warp_specialized, tiles=tiles)
-    dw = plgpu.kernel(body, out_type=out_type, grid=(num_blocks,), grid_names=("sm",), num_threads=tiles.consumers + 1,
-                      thread_name="wg", compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
-                      )(start_E // tm, rows_E // tm, x_RD, dy_RF)
+    dw = plgpu.kernel(gpu_kernel.named(body, KERNEL_NAME), out_type=out_type, grid=(num_blocks,), grid_names=("sm",),
+                      num_threads=tiles.consumers + 1, thread_name="wg", compiler_params=mosaic_tiles.compiler_params(),
+                      interpret=interpret)(start_E // tm, rows_E // tm, x_RD, dy_RF)
     return ring.varying_like(dw, like)
   bd, bf = tiles.block_m, tiles.block_n
   d_tiles, f_tiles = d // bd, f // bf
@@ -131,7 +132,7 @@ def weight_gradient(x_RD: jax.Array, dy_RF: jax.Array, rows_E: jax.Array, like: 
       mosaic_tiles.store_tile(acc, out_ref.at[e, pl.ds(di * bd, bd), pl.ds(fi * bf, bf)])
 
   dw = plgpu.kernel(
-      body, out_type=out_type,
+      gpu_kernel.named(body, KERNEL_NAME), out_type=out_type,
       grid=(num_blocks,), grid_names=("sm",), compiler_params=mosaic_tiles.compiler_params(), interpret=interpret,
   )(start_E, rows_E, x_RD, dy_RF)
   return ring.varying_like(dw, like)
