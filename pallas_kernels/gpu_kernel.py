@@ -31,11 +31,13 @@ def launch(program, machine: GpuMachine, *, out_type, scratch_types, interpret=N
 
 
 def program_name(program) -> str:
-  """The kernel's name: its program's module under pallas_kernels, e.g. moe_dispatch_gemm or
-  moe_dispatch_gemm_swiglu (Mosaic GPU names the compiled kernel, and its ptxas report, after it)."""
-  module = getattr(program, "func", program).__module__
-  parts = [part for part in module.removeprefix("meshmoe.pallas_kernels.").split(".") if part != "protocol"]
-  return "_".join(parts)
+  """The kernel's name: its program's module under pallas_kernels, and the function unless it is a
+  protocol's `run`, e.g. moe_dispatch_gemm or moe_dispatch_gemm_swiglu_gradient_kernel (Mosaic GPU names
+  the compiled kernel, and its ptxas report, after it)."""
+  function = getattr(program, "func", program)
+  parts = [part for part in function.__module__.removeprefix("meshmoe.pallas_kernels.").split(".")
+           if part != "protocol"]
+  return "_".join(parts + ([function.__name__] if function.__name__ != "run" else []))
 
 
 def named(body, name: str):

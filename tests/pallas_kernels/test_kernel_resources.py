@@ -1,6 +1,8 @@
 """ptxas' registers and spills of compiled Mosaic GPU kernels (meshmoe.analysis.kernel_resources): read from a
 real deviceless compile for an H100, and from logs whose figures are known."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -49,3 +51,11 @@ def test_read_takes_the_figures_from_ptxas_and_the_budgets_from_the_ptx(tmp_path
   (tmp_path / "broken.ptxas").write_text("not a ptxas log")
   with pytest.raises(ValueError, match="broken.ptxas: no 'Used N registers'"):
     kernel_resources.read(tmp_path)
+
+
+def test_fused_kernels_are_named_after_their_programs():
+  from meshmoe.pallas_kernels import gpu_kernel
+  from meshmoe.pallas_kernels.moe_dispatch_gemm import protocol, swiglu
+  assert gpu_kernel.program_name(functools.partial(protocol.run, p=2)) == "moe_dispatch_gemm"
+  assert gpu_kernel.program_name(swiglu.gradient_kernel) == "moe_dispatch_gemm_swiglu_gradient_kernel"
+  assert gpu_kernel.named(lambda *refs: None, "moe_gemm_return").__name__ == "moe_gemm_return"
