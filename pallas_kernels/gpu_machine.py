@@ -75,6 +75,11 @@ class GpuMachine:
             self.signal(arrival, region_bytes(dst_ref), peer)
     return acc
 
+  def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
+    """(a_ref @ gate_ref, a_ref @ up_ref) in float32, for `tiles.gate_up_columns` columns of each weight (a
+    warp-specialised block may compute them in one accumulator: gpu_warp_specialized.py)."""
+    return self.matmul(a_ref, gate_ref), self.matmul(a_ref, up_ref)
+
   def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
     """The sum of a_ref @ b_ref over `pairs` (each as `matmul`'s, no copies) in float32, accumulated in one
     accumulator (one tile of registers however many products)."""

@@ -1,11 +1,12 @@
 """Warp-specialised thread blocks for the fused kernels (Tiles.consumers > 1), with each block's protocol
 unchanged.
 
-A block runs C + 1 warpgroups. The last, the producer, runs every protocol step that moves data into or
+A block runs C + 1 warpgroups (C + 2 with a sender, below). The last, the producer, runs every protocol step that moves data into or
 out of the block or waits for another block: the puts to peers, the arrival and notice waits, the
 notices, and the TMA loads of every GEMM's A and B tiles into a ring of `stages` shared-memory slots. The
 C consumers run the WGMMAs, consumer c on columns [c * W, (c + 1) * W) of each block_m x block_n output
-tile (W = block_n / C, Tiles.consumer_columns), and store those columns. Both run the same protocol
+tile (W = block_n / C, Tiles.consumer_columns), and store those columns. The B ring holds each tile as C
+panels of W columns, one per consumer, each loaded by its own TMA copy. Both run the same protocol
 program (each op's protocol.py), each with its own view of the primitives, so the block's protocol is the
 one the twin executes: the same semaphores, counts, signallers and waits. Only who inside the block runs
 each step differs:
@@ -13,11 +14,14 @@ each step differs:
 - `matmul`: the producer puts the A rows to `copies`, then loads the A and B tiles into the ring, each
   slot once the consumers have released it; the consumers wait for a slot's tiles, run WGMMA, and
   release the slot one step later. `matmul_sum`: the same for each product in turn, the consumers
-  accumulating all of them in one accumulator.
+  accumulating all of them in one accumulator. `matmul_gate_up` (SwiGLU), where Tiles.splits_gate_up (two
+  consumers, 128-row tiles): the producer loads W gate columns into panel 0 and W up columns into panel 1,
+  and consumer c multiplies its 64 rows of the A tile by both, so it holds two 64 x W accumulators (not
+  two 128 x W: those spill), and stores and loads its rows of the step's W-column tiles.
 - `put`: the producer, TMA loads and stores through its staging slots, then the signal.
 - `put_value`: the consumers store their columns; once all are complete, consumer 0 signals.
-- `store`, `zero`, `load`: the consumers, their columns, through their own output slot (the producer's
-  `load` gives 0).
+- `store`, `zero`, `load`: the consumers, their columns (their rows of a SwiGLU step split by rows),
+  through their own output slot (the producer's `load` gives 0).
 - `await_arrival`, `await_notice`: the producer waits for the semaphore, then hands off to the consumers,
   who wait for the handoff.
 - `notify`: the producer.
@@ -58,6 +62,7 @@ Legend: C consumers, S stages, W consumer columns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,9 +92,9 @@ class Shared:
   """A block's shared-memory buffers and barriers, allocated once for all its warpgroups."""
 
   a_ring: object  # [S, block_m, block_k]
-  b_ring: object  # [S, block_k, block_n], or [S, block_n, block_k] for transposed B
+  b_ring: object  # [S, C, block_k, W] (a panel per consumer), or [S, C, W, block_k] for transposed B
   a_loaded: object  # S barriers: a slot's A tile has landed
-  b_loaded: object
+  b_loaded: object  # S barriers, C arrivals: a slot's B panels have landed
   released: object  # S barriers, C arrivals: every consumer is done with a slot
   out_slots: object  # [C, block_m, W]: each consumer's output tile
   tile_loaded: object  # C barriers: a consumer's `load` has landed
@@ -110,11 +115,11 @@ def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool, sende
     raise ValueError("warp-specialised kernels store every output through one slot dtype, got "
                      f"{sorted(map(str, dtypes))}")
   dtype = dtypes.pop()
-  s, bm, bn, bk = tiles.stages, tiles.block_m, tiles.block_n, tiles.block_k
-  b_shape = (s, bn, bk) if transpose_b else (s, bk, bn)
+  s, bm, bk, w = tiles.stages, tiles.block_m, tiles.block_k, tiles.consumer_columns
+  b_shape = (s, consumers, w, bk) if transpose_b else (s, consumers, bk, w)
   scratch = dict(
       a_ring=plgpu.SMEM((s, bm, bk), dtype), b_ring=plgpu.SMEM(b_shape, dtype),
-      a_loaded=plgpu.Barrier(num_barriers=s), b_loaded=plgpu.Barrier(num_barriers=s),
+      a_loaded=plgpu.Barrier(num_barriers=s), b_loaded=plgpu.Barrier(num_arrivals=consumers, num_barriers=s),
       released=plgpu.Barrier(num_arrivals=consumers, num_barriers=s),
       out_slots=plgpu.SMEM((consumers, bm, tiles.consumer_columns), dtype),
       tile_loaded=plgpu.Barrier(num_barriers=consumers),
@@ -174,23 +179,40 @@ class Producer(GpuMachine):
         for dst_ref, peer, arrival in copies:
           self.put(a_ref, dst_ref, peer, arrival)
 
+    w = self.tiles.consumer_columns
+
+    def panel(c, k_rows):
+      panel_columns = pl.ds(c * w, w)
+      return b_ref.at[panel_columns, k_rows] if transpose_b else b_ref.at[k_rows, panel_columns]
+
+    self._load_ring(a_ref, [functools.partial(panel, c) for c in range(self.tiles.consumers)])
+    return _no_value()
+
+  def _load_ring(self, a_ref, panels) -> None:
+    """Per K step: waits for the slot's release, then loads the A tile and the B panels (`panels[c](rows)`:
+    panel c's source for those K rows)."""
     shared, bk = self.shared, self.tiles.block_k
 
     @pl.loop(0, a_ref.shape[1] // bk)
     def _load(k):
-      slot, columns = lax.rem(k, self.tiles.stages), mosaic_tiles.column_block(k, bk)
+      slot, k_rows = lax.rem(k, self.tiles.stages), mosaic_tiles.column_block(k, bk)
       plgpu.barrier_wait(shared.released.at[slot])
-      plgpu.copy_gmem_to_smem(a_ref.at[:, columns], shared.a_ring.at[slot], shared.a_loaded.at[slot])
-      b_tile = b_ref.at[:, columns] if transpose_b else b_ref.at[columns, :]
-      plgpu.copy_gmem_to_smem(b_tile, shared.b_ring.at[slot], shared.b_loaded.at[slot])
-
-    return _no_value()
+      plgpu.copy_gmem_to_smem(a_ref.at[:, k_rows], shared.a_ring.at[slot], shared.a_loaded.at[slot])
+      for c, source in enumerate(panels):
+        plgpu.copy_gmem_to_smem(source(k_rows), shared.b_ring.at[slot, c], shared.b_loaded.at[slot])
 
   def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
     """Loads each product's tiles in turn, as `matmul` does."""
     for a_ref, b_ref in pairs:
       self.matmul(a_ref, b_ref, transpose_b=transpose_b)
     return _no_value()
+
+  def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
+    """Loads the A tiles, gate's columns into panel 0 and up's into panel 1 (where the step splits by rows)."""
+    if not self.tiles.splits_gate_up:
+      return self.matmul(a_ref, gate_ref), self.matmul(a_ref, up_ref)
+    self._load_ring(a_ref, [lambda k_rows, w_ref=w_ref: w_ref.at[k_rows, :] for w_ref in (gate_ref, up_ref)])
+    return _no_value(), _no_value()
 
   def load(self, ref) -> jax.Array:
     return _no_value()
@@ -240,13 +262,14 @@ class Consumer(GpuMachine):
   def consumer(self) -> jax.Array:
     return lax.axis_index(WG)
 
-  def _columns(self) -> pl.Slice:
-    """This consumer's columns of an output tile."""
-    width = self.tiles.consumer_columns
-    return pl.ds(pl.multiple_of(self.consumer * width, width), width)
-
-  def _my_columns(self, ref):
-    return ref.at[:, self._columns()]
+  def _share(self, ref):
+    """(This consumer's share of a tile `ref`, its output slot for it): its W columns of a block_n-wide
+    tile, or, for the W-wide tiles of a SwiGLU step split by rows (Tiles.splits_gate_up), its 64 rows."""
+    slot, width = self.shared.out_slots.at[self.consumer], self.tiles.consumer_columns
+    if self.tiles.splits_gate_up and ref.shape[1] == width:
+      rows = ref.shape[0] // self.tiles.consumers
+      return ref.at[pl.ds(pl.multiple_of(self.consumer * rows, rows), rows)], slot.at[pl.ds(0, rows)]
+    return ref.at[:, pl.ds(pl.multiple_of(self.consumer * width, width), width)], slot
 
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
     """This consumer's columns of a_ref @ b_ref, from the tiles the producer loads (and the producer makes
@@ -259,24 +282,46 @@ class Consumer(GpuMachine):
 
     def accumulate(acc_ref):
       for a_ref, b_ref in pairs:
-        self._accumulate(acc_ref, a_ref.shape[1] // self.tiles.block_k, transpose_b)
+        def issue(slot):
+          panel = self.shared.b_ring.at[slot, self.consumer]
+          plgpu.wgmma(acc_ref, self.shared.a_ring.at[slot], panel.T if transpose_b else panel)
+
+        self._accumulate(a_ref.shape[1] // self.tiles.block_k, issue)
       return acc_ref[...]
 
     return pl.run_scoped(accumulate, plgpu.ACC((self.tiles.block_m, self.tiles.consumer_columns), jnp.float32))
 
-  def _accumulate(self, acc_ref, steps: int, transpose_b: bool) -> None:
-    """Adds this consumer's columns of one product, `steps` K steps from the producer's ring, to acc_ref;
-    every slot is released when it returns."""
-    shared, stages, columns = self.shared, self.tiles.stages, self._columns()
+  def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
+    """This consumer's 64 rows of the gate and up products (gate's columns in B panel 0, up's in panel 1),
+    where the step splits by rows; else as `matmul`, twice."""
+    if not self.tiles.splits_gate_up:
+      return self.matmul(a_ref, gate_ref), self.matmul(a_ref, up_ref)
+    rows = self.tiles.block_m // self.tiles.consumers
+
+    def accumulate(gate_acc, up_acc):
+      def issue(slot):
+        my_rows = self.shared.a_ring.at[slot, pl.ds(pl.multiple_of(self.consumer * rows, rows), rows)]
+        plgpu.wgmma(gate_acc, my_rows, self.shared.b_ring.at[slot, 0])
+        plgpu.wgmma(up_acc, my_rows, self.shared.b_ring.at[slot, 1])
+
+      self._accumulate(a_ref.shape[1] // self.tiles.block_k, issue)
+      return gate_acc[...], up_acc[...]
+
+    acc = plgpu.ACC((rows, self.tiles.consumer_columns), jnp.float32)
+    return pl.run_scoped(accumulate, acc, acc)
+
+  def _accumulate(self, steps: int, issue) -> None:
+    """Runs `steps` K steps from the producer's ring, `issue(slot)` issuing each step's WGMMAs; every slot is
+    released when it returns."""
+    shared, stages = self.shared, self.tiles.stages
 
     @pl.loop(0, steps)
     def _step(k):
       slot = lax.rem(k, stages)
       plgpu.barrier_wait(shared.a_loaded.at[slot])
       plgpu.barrier_wait(shared.b_loaded.at[slot])
-      b_tile = shared.b_ring.at[slot]
-      plgpu.wgmma(acc_ref, shared.a_ring.at[slot], b_tile.at[columns].T if transpose_b else b_tile.at[:, columns])
-      # The previous step's WGMMA is complete now (one left in flight): release its slot.
+      issue(slot)
+      # The previous step's WGMMAs are complete now (only this step's last is left in flight): release its slot.
       plgpu.wgmma_wait(1)
 
       @pl.when(k > 0)
@@ -286,29 +331,29 @@ class Consumer(GpuMachine):
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(shared.released.at[(steps - 1) % stages])
 
-  def _store_columns(self, value, ref) -> None:
-    """Writes this consumer's columns of a tile through its output slot (not waiting for completion)."""
-    slot = self.shared.out_slots.at[self.consumer]
+  def _store_share(self, value, ref) -> None:
+    """Writes this consumer's share of a tile (`_share`) through its output slot (not waiting for completion)."""
+    share, slot = self._share(ref)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's previous store has read it
     slot[...] = value.astype(slot.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(slot, self._my_columns(ref))
+    plgpu.copy_smem_to_gmem(slot, share)
 
   def load(self, ref) -> jax.Array:
-    slot, loaded = self.shared.out_slots.at[self.consumer], self.shared.tile_loaded.at[self.consumer]
+    (share, slot), loaded = self._share(ref), self.shared.tile_loaded.at[self.consumer]
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.copy_gmem_to_smem(self._my_columns(ref), slot, loaded)
+    plgpu.copy_gmem_to_smem(share, slot, loaded)
     plgpu.barrier_wait(loaded)
     return slot[...]
 
   def store(self, value, ref) -> None:
-    self._store_columns(value, ref)
+    self._store_share(value, ref)
 
   def zero(self, ref) -> None:
     @pl.loop(0, ref.shape[1] // self.tiles.block_n)
     def _zero(c):
       zeros = jnp.zeros((ref.shape[0], self.tiles.consumer_columns), jnp.float32)
-      self._store_columns(zeros, ref.at[:, mosaic_tiles.column_block(c, self.tiles.block_n)])
+      self._store_share(zeros, ref.at[:, mosaic_tiles.column_block(c, self.tiles.block_n)])
 
   def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
     pass
@@ -320,7 +365,7 @@ class Consumer(GpuMachine):
       plgpu.barrier_wait(self.shared.sent_locally)
 
   def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
-    self._store_columns(value, gpu_machine.peer_ref(dst_ref, peer))
+    self._store_share(value, gpu_machine.peer_ref(dst_ref, peer))
     if peer is None:
       return
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this consumer's columns are there
@@ -369,6 +414,9 @@ class Sender(GpuMachine):
 
   def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
     return _no_value()
+
+  def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
+    return _no_value(), _no_value()
 
   def load(self, ref) -> jax.Array:
     return _no_value()

@@ -51,6 +51,18 @@ class Tiles:
     """Output columns each consumer warpgroup multiplies."""
     return self.block_n // self.consumers
 
+  @property
+  def splits_gate_up(self) -> bool:
+    """Whether a SwiGLU GEMM step splits its tile by rows between two consumers: gate's and up's columns
+    fill the two consumers' B panels, and each consumer multiplies its 64 rows by both (two accumulators
+    of 64 x block_n / 2, half the registers of two column halves' 128-row gate and up tiles)."""
+    return self.consumers == 2 and self.block_m == 128
+
+  @property
+  def gate_up_columns(self) -> int:
+    """Columns of gate (and of up) one SwiGLU GEMM step computes: a B panel's where the step splits by rows."""
+    return self.consumer_columns if self.splits_gate_up else self.block_n
+
   def staging_shape(self) -> tuple[int, int, int]:
     """(slots, rows, columns) of a warp-specialised producer's staging buffer for puts: chunks of 64 rows
     (or block_m) by block_k columns, small enough to leave the shared memory to the GEMM pipeline."""

@@ -67,6 +67,9 @@ class TwinMachine:
 
     return pl.run_scoped(product, pltpu.VMEM(a_ref.shape, a_ref.dtype), pltpu.VMEM(b_ref.shape, b_ref.dtype))
 
+  def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
+    return self.matmul(a_ref, gate_ref), self.matmul(a_ref, up_ref)
+
   def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
     products = [self.matmul(a_ref, b_ref, transpose_b=transpose_b) for a_ref, b_ref in pairs]
     return sum(products[1:], products[0])

@@ -12,8 +12,8 @@
    awaits it). It awaits the tile's bytes (a tile from myself was copied by this very block in phase 1)
    and multiplies it by its expert's weights, one column tile after another. A tile is computed as soon as
    its own rows are there, not when the whole exchange is done. With `swiglu` (a swiglu.MODES mode), the
-   weights are gate and up, and each column tile stores silu(gate) * up from the two products (swiglu.py),
-   and for "keep" the products too.
+   weights are gate and up, and each step of tiles.gate_up_columns columns stores silu(gate) * up from the
+   two products (machine.matmul_gate_up; swiglu.py), and for "keep" the products too.
    With `transposed`, the weights are stored [E_l, F_i, D] and multiplied transposed (the backward reads
    the forward's weights as they are: moe_routing.weight_columns).
 """
@@ -66,15 +66,24 @@ def run(machine, send_dst, send_dst_tile, num_send, recv_expert, recv_src, recv_
         def _():
           machine.await_arrival(arrivals.at[m], xr_ref.at[tile(m)])
 
-      # (weights, outputs, epilogue): SwiGLU's two products make its outputs.
-      groups = ([(w_refs, out_refs, swiglu_epilogue.epilogue(swiglu))] if swiglu
-                else [((w_ref,), (out_ref,), lambda product: (product,)) for w_ref, out_ref in zip(w_refs, out_refs)])
-      for weights, outputs, epilogue in groups:
-        @pl.loop(0, outputs[0].shape[1] // tiles.block_n)
+      if swiglu:  # gate and up columns together; their products make the outputs
+        if transposed:
+          raise ValueError("the SwiGLU epilogue multiplies weights stored [E_l, D, F] (not transposed)")
+        epilogue, width = swiglu_epilogue.epilogue(swiglu), tiles.gate_up_columns
+
+        @pl.loop(0, out_refs[0].shape[1] // width)
+        def _gate_up_columns(ni):
+          columns = pl.ds(ni * width, width)
+          products = machine.matmul_gate_up(xr_ref.at[tile(m)], *(w_ref.at[recv_expert[m], :, columns]
+                                                                  for w_ref in w_refs))
+          for value, out_ref in zip(epilogue(*products), out_refs):
+            machine.store(value, out_ref.at[tile(m), columns])
+        return
+
+      for w_ref, out_ref in zip(w_refs, out_refs):
+        @pl.loop(0, out_ref.shape[1] // tiles.block_n)
         def _column(ni):
           columns = pl.ds(ni * tiles.block_n, tiles.block_n)
-          products = [machine.matmul(xr_ref.at[tile(m)], moe_routing.weight_columns(w_ref, recv_expert[m], columns,
-                                                                                  transposed), transpose_b=transposed)
-                      for w_ref in weights]
-          for value, out_ref in zip(epilogue(*products), outputs):
-            machine.store(value, out_ref.at[tile(m), columns])
+          product = machine.matmul(xr_ref.at[tile(m)], moe_routing.weight_columns(w_ref, recv_expert[m], columns,
+                                                                                transposed), transpose_b=transposed)
+          machine.store(product, out_ref.at[tile(m), columns])

@@ -1,7 +1,8 @@
 """SwiGLU fused into the MoE kernels, so no [R, F] gate or up buffer exists.
 
 Forward: the dispatch kernel multiplies a received tile by its expert's gate and up columns (two float32
-accumulators of one column tile) and stores the hidden units silu(gate) * up (`hidden`), rounded once; the
+products of one column step, `machine.matmul_gate_up`; a warp-specialised block holds both in one
+accumulator, their columns interleaved) and stores the hidden units silu(gate) * up (`hidden`), rounded once; the
 return kernel reads those. The gradient needs gate and up again, in one of two ways (`MODES`, the config's
 `parallel.moe_swiglu_gradient`):
 - "recompute": `gradient_kernel` recomputes gate and up per tile from the received rows (kept from the
@@ -65,11 +66,13 @@ def gradient_kernel(machine, recv_expert, num_recv, xr_ref, dh_ref, gate_ref, up
 
     @pl.when(m < num_recv[0])
     def _():
-      @pl.loop(0, dh_ref.shape[1] // tiles.block_n)
+      width = tiles.gate_up_columns
+
+      @pl.loop(0, dh_ref.shape[1] // width)
       def _column(ni):
-        columns = pl.ds(ni * tiles.block_n, tiles.block_n)
-        gate = machine.matmul(xr_ref.at[tile(m)], gate_ref.at[recv_expert[m], :, columns])
-        up = machine.matmul(xr_ref.at[tile(m)], up_ref.at[recv_expert[m], :, columns])
+        columns = pl.ds(ni * width, width)
+        gate, up = machine.matmul_gate_up(xr_ref.at[tile(m)], gate_ref.at[recv_expert[m], :, columns],
+                                          up_ref.at[recv_expert[m], :, columns])
         dh = machine.load(dh_ref.at[tile(m), columns]).astype(jnp.float32)
         dgate, dup = gradients(gate, up, dh)
         machine.store(dgate, dgate_ref.at[tile(m), columns])

@@ -261,8 +261,10 @@ def test_mosaic_kernels_of_a_moe_layer_compile_for_8_h100s_forward_and_backward(
     assert f" {collective}(" not in hlo and f" {collective}-start(" not in hlo, collective
 
 
-# Warp-specialised blocks (gpu_warp_specialized.py): a producer and two consumers of 64 columns each.
+# Warp-specialised blocks (gpu_warp_specialized.py): a producer and two consumers of 64 columns each; with
+# 128-row tiles, SwiGLU's steps split by rows (each consumer multiplies its 64 rows by gate and up).
 WS_TILES = Tiles(64, 128, 64, 2, consumers=2)
+WS_ROW_SPLIT_TILES = Tiles(128, 128, 64, 2, consumers=2)
 
 
 @pytest.mark.parametrize("num_blocks,transposed,tiles", [(1, False, DEFAULT_TILES), (3, False, DEFAULT_TILES),
@@ -304,24 +306,26 @@ def test_mosaic_compute_path_equals_the_reference(num_blocks, transposed, tiles)
     assert_close(g.astype(jnp.float32), w.astype(jnp.float32), harness.BF16_RTOL, name)
 
 
-@pytest.mark.parametrize("tiles", [DEFAULT_TILES, WS_TILES], ids=["one-warpgroup", "warp-specialised"])
+@pytest.mark.parametrize("tiles", [DEFAULT_TILES, WS_TILES, WS_ROW_SPLIT_TILES],
+                         ids=["one-warpgroup", "warp-specialised", "ws-split-by-rows"])
 def test_mosaic_swiglu_epilogue_and_its_gradient_kernel_equal_the_reference(tiles):
   """The "keep" epilogue (hidden units, gate and up) and the "recompute" gradient kernel."""
+  assert WS_ROW_SPLIT_TILES.splits_gate_up and not WS_TILES.splits_gate_up
   mesh = harness.one_device_ring()
-  tokens, d, f, e_local = 96, 256, 128, 3
+  tokens, d, f, e_local, tm = 96, 256, 128, 3, tiles.block_m
   rng = np.random.default_rng(1)
   experts = rng.integers(0, e_local, (tokens, TOP_K)).astype(np.int32)
   experts[:10] = e_local  # dropped
   keys = jax.random.split(jax.random.key(6), 4)
   x, dh = (jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
-           for k, shape in zip(keys[:2], [(tokens, d), (moe_routing.sizes(tokens * TOP_K, 1, e_local, 64)[1] * 64, f)]))
+           for k, shape in zip(keys[:2], [(tokens, d), (moe_routing.sizes(tokens * TOP_K, 1, e_local, tm)[1] * tm, f)]))
   gate, up = ((jax.random.normal(k, (e_local, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16) for k in keys[2:])
 
   def stages(dispatch, gradient):
     def per_device(x_TD, experts_TK, dh_RF, gate, up):
       t, k = experts_TK.shape
-      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, 64)
-      xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, 64, plan.send_dst.shape[0])
+      plan = moe_routing.make_tile_plan(experts_TK.reshape(-1), ("x",), e_local, tm)
+      xs = moe_routing.send_buffer(x_TD[jnp.arange(t * k) // k], plan, tm, plan.send_dst.shape[0])
       xr, *products = dispatch(xs, (gate, up), plan, ("x",))
       return (*products, *gradient(xr, dh_RF, gate, up, plan))
     return harness.per_device(per_device, mesh, (P("x"),) * 5, (P("x"),) * 5)
