@@ -76,9 +76,11 @@ class GpuMachine:
     return acc
 
   def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
-    """(a_ref @ gate_ref, a_ref @ up_ref) in float32, for `tiles.gate_up_columns` columns of each weight (a
-    warp-specialised block may compute them in one accumulator: gpu_warp_specialized.py)."""
-    return self.matmul(a_ref, gate_ref), self.matmul(a_ref, up_ref)
+    """(a_ref @ gate_ref, a_ref @ up_ref) in float32, for `tiles.gate_up_columns` columns of each weight:
+    one pipeline that loads each A tile once for both, where its buffers fit (else two GEMMs)."""
+    if not self.tiles.gate_up_pipeline_fits(jnp.dtype(a_ref.dtype).itemsize):
+      return self.matmul(a_ref, gate_ref), self.matmul(a_ref, up_ref)
+    return mosaic_tiles.matmul_gate_up(a_ref, gate_ref, up_ref, self.tiles)
 
   def matmul_sum(self, pairs, transpose_b=False) -> jax.Array:
     """The sum of a_ref @ b_ref over `pairs` (each as `matmul`'s, no copies) in float32, accumulated in one

@@ -68,6 +68,12 @@ class Tiles:
     (or block_m) by block_k columns, small enough to leave the shared memory to the GEMM pipeline."""
     return STAGING_SLOTS, min(self.block_m, 64), self.block_k
 
+  def gate_up_pipeline_fits(self, itemsize: int) -> bool:
+    """Whether one warpgroup's SwiGLU pipeline (matmul_gate_up: an A and two B tiles per stage, two output
+    tiles' float32 accumulators) fits in shared memory with the output tile."""
+    pipeline = self.stages * (self.block_m * self.block_k + 2 * self.block_k * self.block_n) * itemsize
+    return pipeline + self.block_m * self.block_n * max(itemsize, 4) <= SHARED_MEMORY_BYTES
+
   def shared_memory_bytes(self, itemsize: int) -> int:
     """Shared memory of one thread block: the pipeline's A and B buffers and the output tile, and with
     warp specialisation the producer's staging buffer too."""
@@ -126,6 +132,30 @@ def matmul_sum(pairs, tiles: Tiles, transpose_b: bool = False, on_a_tile=None) -
     return acc_ref[...]
 
   return pl.run_scoped(accumulate, plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32))
+
+
+def matmul_gate_up(a_gmem, gate_gmem, up_gmem, tiles: Tiles) -> tuple[jax.Array, jax.Array]:
+  """(a_gmem @ gate_gmem, a_gmem @ up_gmem) as float32 values from one pipeline: each A tile is loaded once
+  for both products (Tiles.gate_up_pipeline_fits must hold)."""
+  b_spec = plgpu.BlockSpec((tiles.block_k, tiles.block_n), lambda ki: (ki, 0), delay_release=1)
+
+  def accumulate(gate_acc, up_acc):
+    def step(indices, a_smem, gate_smem, up_smem):
+      plgpu.wgmma(gate_acc, a_smem, gate_smem)
+      plgpu.wgmma(up_acc, a_smem, up_smem)
+      plgpu.wgmma_wait(1)  # the previous step's WGMMAs are complete (its buffers are released next)
+
+    plgpu.emit_pipeline(
+        step, grid=(a_gmem.shape[1] // tiles.block_k,),
+        in_specs=[plgpu.BlockSpec((tiles.block_m, tiles.block_k), lambda ki: (0, ki), delay_release=1), b_spec,
+                  b_spec],
+        max_concurrent_steps=tiles.stages,
+    )(a_gmem, gate_gmem, up_gmem)
+    plgpu.wgmma_wait(0)
+    return gate_acc[...], up_acc[...]
+
+  acc = plgpu.ACC((tiles.block_m, tiles.block_n), jnp.float32)
+  return pl.run_scoped(accumulate, acc, acc)
 
 
 def _accumulate(acc_ref, a_gmem, b_gmem, tiles: Tiles, on_a_tile, transpose_b: bool) -> None:

@@ -1,8 +1,8 @@
 """SwiGLU fused into the MoE kernels, so no [R, F] gate or up buffer exists.
 
 Forward: the dispatch kernel multiplies a received tile by its expert's gate and up columns (two float32
-products of one column step, `machine.matmul_gate_up`; a warp-specialised block holds both in one
-accumulator, their columns interleaved) and stores the hidden units silu(gate) * up (`hidden`), rounded once; the
+products of one column step from one A tile, `machine.matmul_gate_up`; a warp-specialised block splits
+the step by rows between its consumers) and stores the hidden units silu(gate) * up (`hidden`), rounded once; the
 return kernel reads those. The gradient needs gate and up again, in one of two ways (`MODES`, the config's
 `parallel.moe_swiglu_gradient`):
 - "recompute": `gradient_kernel` recomputes gate and up per tile from the received rows (kept from the
