@@ -12,6 +12,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +81,24 @@ def test_command_line_writes_the_report_and_says_whether_it_fits(tmp_path):
                  "--config.parallel.xla_flags=none")
   assert too_big.returncode == 3, too_big.stderr[-3000:]
   assert "memory verdict: DOES NOT FIT" in too_big.stdout
+
+
+@pytest.mark.slow
+def test_command_line_reports_each_kernel_s_registers_and_spills(tmp_path):
+  """--kernel_resources: ptxas' figures for every Mosaic GPU kernel of the step (tokamax's grouped GEMM and
+  flash attention here), in the JSON and the printed table, and the dumps' temporary folder is removed."""
+  out, dumps_before = tmp_path / "report.json", set(Path(tempfile.gettempdir()).glob("meshmoe_kernels_*"))
+  result = _cli("--target=h100", "--devices=8", f"--out={out}", "--config.mesh.preset=ep", "--config.mesh.data=2",
+                "--config.mesh.expert=4", "--config.model.dtype=bfloat16", "--config.parallel.xla_flags=none",
+                "--kernel_resources")
+  assert result.returncode == 0, result.stderr[-3000:]
+  kernels = json.loads(out.read_text())["mosaic_kernels"]
+  assert len(kernels) >= 2, kernels
+  for kernel in kernels:
+    assert kernel["name"] in result.stdout and 0 < kernel["registers"] <= 255, kernel
+    assert kernel["spill_store_bytes"] >= 0 and kernel["spill_load_bytes"] >= 0, kernel
+  assert "Mosaic GPU kernels (compiled: ptxas, per thread)" in result.stdout
+  assert set(Path(tempfile.gettempdir()).glob("meshmoe_kernels_*")) == dumps_before
 
 
 def test_command_line_rejects_bad_input_in_one_line():
