@@ -164,12 +164,32 @@ def kernel_body(program, machine: GpuMachine, out_type, transpose_b: bool, sende
   return body, dict(num_threads=consumers + 1 + sender, thread_name=WG)
 
 
-class Producer(GpuMachine):
-  """The producer warpgroup's view of the primitives (module docstring)."""
+class _View(GpuMachine):
+  """One warpgroup's view of a block's primitives, over the block's shared buffers."""
 
   def __init__(self, machine: GpuMachine, shared: Shared):
     super().__init__(machine.axes, machine.num_blocks, machine.tiles)
     self.shared = shared
+
+
+class _WithoutTileValues(_View):
+  """A view that holds no tile values (the producer's and the sender's): the tile stores are the consumers'."""
+
+  def load(self, ref) -> jax.Array:
+    return _no_value()
+
+  def store(self, value, ref) -> None:
+    pass
+
+  def zero(self, ref) -> None:
+    pass
+
+  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
+    pass
+
+
+class Producer(_WithoutTileValues):
+  """The producer warpgroup's view of the primitives (module docstring)."""
 
   def matmul(self, a_ref, b_ref, copies=(), copy_when=True, transpose_b=False) -> jax.Array:
     """Puts the A rows to each of `copies` (where `copy_when` holds), then loads the GEMM's tiles."""
@@ -214,23 +234,11 @@ class Producer(GpuMachine):
     self._load_ring(a_ref, [lambda k_rows, w_ref=w_ref: w_ref.at[k_rows, :] for w_ref in (gate_ref, up_ref)])
     return _no_value(), _no_value()
 
-  def load(self, ref) -> jax.Array:
-    return _no_value()
-
-  def store(self, value, ref) -> None:
-    pass
-
-  def zero(self, ref) -> None:
-    pass
-
   def put(self, src_ref, dst_ref, peer=None, arrival=None) -> None:
     if self.shared.sent_locally is not None:
       raise ValueError("a kernel with a sender warpgroup puts only in its send phase: the sender owns the "
                        "staging buffer")
     _staged_put(self, src_ref, dst_ref, peer, arrival)
-
-  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
-    pass
 
   def send_phase(self, send_to, p: int) -> None:
     """Without a sender, runs the puts; with one, waits until the sender's local copies are complete."""
@@ -251,12 +259,8 @@ class Producer(GpuMachine):
     plgpu.barrier_arrive(self.shared.handoff)
 
 
-class Consumer(GpuMachine):
+class Consumer(_View):
   """A consumer warpgroup's view of the primitives (module docstring)."""
-
-  def __init__(self, machine: GpuMachine, shared: Shared):
-    super().__init__(machine.axes, machine.num_blocks, machine.tiles)
-    self.shared = shared
 
   @property
   def consumer(self) -> jax.Array:
@@ -390,12 +394,12 @@ class Consumer(GpuMachine):
     plgpu.barrier_arrive(self.shared.handoff_taken)
 
 
-class Sender(GpuMachine):
+class Sender(_WithoutTileValues):
   """The sender warpgroup's view: it runs the puts of the send phase and nothing else (module docstring)."""
 
   def __init__(self, machine: GpuMachine, shared: Shared):
-    super().__init__(machine.axes, machine.num_blocks, machine.tiles)
-    self.shared, self._sending = shared, False
+    super().__init__(machine, shared)
+    self._sending = False
 
   def send_phase(self, send_to, p: int) -> None:
     self._sending = True
@@ -417,18 +421,6 @@ class Sender(GpuMachine):
 
   def matmul_gate_up(self, a_ref, gate_ref, up_ref) -> tuple[jax.Array, jax.Array]:
     return _no_value(), _no_value()
-
-  def load(self, ref) -> jax.Array:
-    return _no_value()
-
-  def store(self, value, ref) -> None:
-    pass
-
-  def zero(self, ref) -> None:
-    pass
-
-  def put_value(self, value, dst_ref, peer=None, arrival=None) -> None:
-    pass
 
   def await_arrival(self, arrival, region_ref) -> None:
     pass
