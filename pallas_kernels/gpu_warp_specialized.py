@@ -1,15 +1,15 @@
 """Warp-specialised thread blocks for the fused kernels (Tiles.consumers > 1), with each block's protocol
 unchanged.
 
-A block runs C + 1 warpgroups (C + 2 with a sender, below). The last, the producer, runs every protocol step that moves data into or
-out of the block or waits for another block: the puts to peers, the arrival and notice waits, the
-notices, and the TMA loads of every GEMM's A and B tiles into a ring of `stages` shared-memory slots. The
-C consumers run the WGMMAs, consumer c on columns [c * W, (c + 1) * W) of each block_m x block_n output
-tile (W = block_n / C, Tiles.consumer_columns), and store those columns. The B ring holds each tile as C
-panels of W columns, one per consumer, each loaded by its own TMA copy. Both run the same protocol
-program (each op's protocol.py), each with its own view of the primitives, so the block's protocol is the
-one the twin executes: the same semaphores, counts, signallers and waits. Only who inside the block runs
-each step differs:
+A block runs C + 1 warpgroups (C + 2 with a sender, below). Warpgroup C, the producer, runs every protocol
+step that moves data into or out of the block or waits for another block: the puts to peers, the arrival and
+notice waits, the notices, and the TMA loads of every GEMM's A and B tiles into a ring of `stages`
+shared-memory slots. The C consumers run the WGMMAs, consumer c on columns [c * W, (c + 1) * W) of each
+block_m x block_n output tile (W = block_n / C, Tiles.consumer_columns), and store those columns. The B ring
+holds each tile as C panels of W columns, one per consumer, each loaded by its own TMA copy. All run the same
+protocol program (each op's protocol.py), each with its own view of the primitives, so the block's protocol
+is the one the twin executes: the same semaphores, counts, signallers and waits. Only who inside the block
+runs each step differs:
 
 - `matmul`: the producer puts the A rows to `copies`, then loads the A and B tiles into the ring, each
   slot once the consumers have released it; the consumers wait for a slot's tiles, run WGMMA, and
