@@ -13,9 +13,9 @@ targets (the CUDA PJRT plugin; no GPU or CUDA libraries). Exit status 0 when the
 meshmoe.analysis.kernel_resources).
 """
 
+import contextlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 
@@ -41,6 +41,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if _DEVICES.value % _HOSTS.value:
     sys.exit(f"error: --devices={_DEVICES.value} does not split evenly over --hosts={_HOSTS.value}")
+  if _KERNEL_RESOURCES.value and _TARGET.value == "cpu":
+    sys.exit("error: --kernel_resources reads ptxas' reports on Mosaic GPU kernels: it needs a GPU --target "
+             f"({', '.join(gpus.GPUS)}), not cpu")
   out, hlo = cli.writable_output(_OUT.value, "out"), cli.writable_output(_HLO.value, "hlo")
   # Before JAX is imported (the platform) and starts its backend (the device count, the XLA flags).
   os.environ["JAX_PLATFORMS"] = "cpu"  # GPU targets compile on this machine's CPU, without a GPU
@@ -55,22 +58,24 @@ def main(argv):
 
   from meshmoe.analysis import kernel_resources
 
-  dumps = tempfile.mkdtemp(prefix="meshmoe_kernels_") if _KERNEL_RESOURCES.value and _TARGET.value != "cpu" else None
-  try:
-    config.validate(_DEVICES.value)
-    xla_flags.apply(config.parallel.xla_flags)
-    from meshmoe.analysis import aot
+  with contextlib.ExitStack() as scope:  # the kernels' dumps (hundreds of MB) are removed however it ends
+    dumps = scope.enter_context(tempfile.TemporaryDirectory(prefix="meshmoe_kernels_")) if _KERNEL_RESOURCES.value \
+        else None
+    try:
+      config.validate(_DEVICES.value)
+      xla_flags.apply(config.parallel.xla_flags)
+      from meshmoe.analysis import aot
 
+      if dumps:
+        kernel_resources.dump_to(dumps)
+      report = aot.analyze(config, _TARGET.value, _DEVICES.value, _HOSTS.value)
+    except (ConfigError, RuntimeError, ValueError) as e:
+      sys.exit(f"error: {e}")
     if dumps:
-      kernel_resources.dump_to(dumps)
-    report = aot.analyze(config, _TARGET.value, _DEVICES.value, _HOSTS.value)
-    if dumps:
-      report.data["mosaic_kernels"] = kernel_resources.read(dumps)
-  except (ConfigError, RuntimeError, ValueError) as e:
-    sys.exit(f"error: {e}")
-  finally:
-    if dumps:
-      shutil.rmtree(dumps, ignore_errors=True)
+      try:  # a log this cannot read costs its table, not the report
+        report.data["mosaic_kernels"] = kernel_resources.read(dumps)
+      except (OSError, ValueError) as e:
+        print(f"warning: no kernel registers and spills: {e}", file=sys.stderr)
   print(report.table())
   if "mosaic_kernels" in report.data:
     print("\n".join(kernel_resources.format_lines(report.data["mosaic_kernels"])))

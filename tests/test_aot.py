@@ -104,6 +104,9 @@ def test_command_line_reports_each_kernel_s_registers_and_spills(tmp_path):
 def test_command_line_rejects_bad_input_in_one_line():
   uneven = _cli("--target=h100", "--devices=8", "--hosts=3")
   assert uneven.returncode != 0 and "does not split evenly over --hosts=3" in uneven.stderr
+  cpu = _cli("--target=cpu", "--kernel_resources")
+  assert cpu.returncode != 0 and "--kernel_resources reads ptxas' reports" in cpu.stderr
+  assert "it needs a GPU --target (h100, " in cpu.stderr and "Traceback" not in cpu.stderr
   mesh = _cli("--target=h100", "--devices=6", "--config.mesh.expert=4")
   assert mesh.returncode != 0
   assert "error: config.mesh.data=-1 is invalid" in mesh.stderr and "Traceback" not in mesh.stderr
