@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from meshmoe.analysis import deviceless
+from meshmoe.analysis import deviceless, kernel_resources
 from meshmoe.pallas_kernels import moe_routing, mosaic_tiles, ring
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api, mosaic_gpu as dispatch_mosaic
 from meshmoe.pallas_kernels.moe_dispatch_gemm import reference as dispatch_reference, tpu as dispatch_tpu
@@ -354,10 +354,12 @@ def _at_mixtral_widths(tokens: int):
 
 
 @pytest.mark.slow
-def test_warp_specialised_kernels_of_a_moe_layer_compile_for_8_h100s_at_mixtral_widths():
+def test_warp_specialised_kernels_of_a_moe_layer_compile_for_8_h100s_at_mixtral_widths(tmp_path, monkeypatch):
   """Hopper's layout (mosaic_tiles.HOPPER_TILES: 128 x 256 tiles, a producer and two consumers, 128-row tiles
   in the plan) at Mixtral-8x7B's widths over tensor=4, forward and backward: every kernel of the layer,
-  with its semaphores, handoffs and signals on a ring of 8, compiles for H100s."""
+  with its semaphores, handoffs and signals on a ring of 8, compiles for H100s, and ptxas spills no
+  register in any (the SwiGLU kernels and the two-product return kernel did: kernel_resources.py)."""
+  monkeypatch.setenv(kernel_resources.DUMP_DIRECTORY, str(tmp_path))
   tiles = mosaic_tiles.HOPPER_TILES
   mesh, spec, args = _at_mixtral_widths(tokens=128)
 
@@ -375,6 +377,10 @@ def test_warp_specialised_kernels_of_a_moe_layer_compile_for_8_h100s_at_mixtral_
   hlo = harness.per_device(per_device, mesh, (spec,) * 5, (spec, (spec,) * 4), check_vma=True).lower(
       *args).compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text()
   assert hlo.count('custom_call_target="mosaic_gpu') >= 8
+  kernels = kernel_resources.read(tmp_path)
+  assert {k["name"].rsplit("_", 1)[0] for k in kernels} == {
+      "moe_dispatch_gemm", "moe_dispatch_gemm_swiglu_gradient_kernel", "moe_gemm_return", "grouped_weight_gradient"}
+  assert [k for k in kernels if k["spill_store_bytes"] or k["spill_load_bytes"]] == []
 
 
 @pytest.mark.slow
