@@ -39,8 +39,8 @@ from meshmoe.pallas_kernels import gpu_kernel, mosaic_tiles, ring
 from meshmoe.pallas_kernels.mosaic_tiles import Tiles
 
 
-# Registers the producer warpgroup keeps (it holds no accumulator; the rest go to the consumers).
 KERNEL_NAME = "grouped_weight_gradient"  # the compiled kernel's (and its ptxas report's) name
+# Registers the producer warpgroup keeps (it holds no accumulator; the rest go to the consumers).
 PRODUCER_REGISTERS = 40
 
 
