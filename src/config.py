@@ -169,7 +169,8 @@ class ParallelConfig:
   # impl="pallas" on Hopper: the Mosaic GPU kernels' thread blocks (pallas_kernels/mosaic_tiles.LAYOUTS):
   # "one_warpgroup" (64 x 128 tiles; one warpgroup loads, multiplies and communicates) or "warp_specialized"
   # (Hopper's GEMM layout: 128 x 256 tiles, a producer warpgroup loading and communicating, two consumers
-  # multiplying; the MoE tile plan's tiles are 128 rows). Both verified without a GPU; not yet timed.
+  # multiplying, and in the MoE dispatch a sender putting to the peers meanwhile; the MoE tile plan's tiles
+  # are 128 rows). Both verified without a GPU; not yet timed.
   kernel_tiles: str = "one_warpgroup"
   # Attention over a sequence split across devices (sharding/context_parallel.py): "allgather" (gather
   # K/V, load-balanced causal blocks), "ring" (K/V blocks passed around a ring) or "ulysses" (all-to-all
