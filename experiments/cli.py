@@ -2,12 +2,15 @@
 with one clear line for a missing file or an unknown field instead of a loader traceback; and output
 paths checked before the work that fills them (a compile can take minutes)."""
 
+import dataclasses
+import difflib
 import pathlib
-import re
 import sys
 import tempfile
 
 from ml_collections import config_flags
+
+from meshmoe import config as meshmoe_config
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "tiny_moe.py"
 
@@ -20,12 +23,53 @@ def define_config_flag(argv: list[str]) -> None:
         "config", str(DEFAULT_CONFIG), "experiment config file (a .py with get_config()); override fields "
         "with --config.<section>.<field>=<value>", lock_config=False)
   except KeyError as e:  # ml_collections reports an unknown --config.a.b field as a bare KeyError
-    match = re.search(r"Field (\w+) not found on dataclass <class '[\w.]+\.(\w+)'>", str(e))
-    what = f"field {match.group(1)!r} does not exist in {match.group(2)}" if match else str(e)
-    moved = _MOVED_FIELDS.get((match.group(2), match.group(1))) if match else None
-    if moved:
-      sys.exit(f"error: unknown config override: {what}; it moved to --config.{moved}")
-    sys.exit(f"error: unknown config override: {what}; see src/config.py for the fields")
+    sys.exit(f"error: unknown config override: {_unknown_override(argv, e)}")
+
+
+def _unknown_override(argv: list[str], error: KeyError) -> str:
+  """What is wrong with the first --config.<path> override that names no field of the config, the field
+  most likely meant (the same name in another section, else the closest name in its section) and the
+  section's fields."""
+  root = meshmoe_config.Config()
+  fields = list(_field_paths(root))
+  for arg in argv:
+    path = arg.removeprefix("--config.").split("=", 1)[0]
+    if not arg.startswith("--config.") or path in fields:
+      continue
+    parent, _, name = path.rpartition(".")
+    section = _section(root, parent)
+    if section is None:
+      what, siblings = f"--config.{path} names no config field", []
+    else:
+      kind = type(section).__name__
+      what, siblings = f"field {name!r} does not exist in {kind}", [f.name for f in dataclasses.fields(section)]
+      if (kind, name) in _MOVED_FIELDS:
+        return f"{what}; it moved to --config.{_MOVED_FIELDS[kind, name]}"
+    same_name = [p for p in fields if p.rpartition(".")[2] == name]
+    close = [f"{parent}.{n}" if parent else n for n in difflib.get_close_matches(name, siblings, n=1)]
+    guess = (same_name or close)[:1]
+    hint = f"did you mean --config.{guess[0]}? " if guess else ""
+    listing = f"{kind}'s fields: {', '.join(siblings)}" if siblings else "every field: src/config.py"
+    return f"{what}; {hint}{listing}"
+  return f"{error}; see src/config.py for the fields"
+
+
+def _field_paths(section, prefix: str = ""):
+  """The dotted path of every leaf field of a config dataclass instance."""
+  for field in dataclasses.fields(section):
+    value = getattr(section, field.name)
+    if dataclasses.is_dataclass(value):
+      yield from _field_paths(value, f"{prefix}{field.name}.")
+    else:
+      yield prefix + field.name
+
+
+def _section(root, path: str):
+  """The config dataclass at a dotted path of `root` ("" is the root), or None."""
+  section = root
+  for name in filter(None, path.split(".")):
+    section = getattr(section, name, None)
+  return section if dataclasses.is_dataclass(section) else None
 
 
 # Fields that moved between config sections: (dataclass, old field) -> the new --config path.

@@ -105,7 +105,9 @@ def test_restore_onto_another_layout(reference_run, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--config.mesh.expertt=2"], "unknown config override: field 'expertt' does not exist in MeshConfig"),
+    (["--config.mesh.expertt=2"], "unknown config override: field 'expertt' does not exist in MeshConfig; "
+                                  "did you mean --config.mesh.expert? MeshConfig's fields: data, expert, tensor,"),
+    (["--config.moe.top_k=2"], "--config.moe.top_k names no config field; did you mean --config.model.moe.top_k?"),
     (["--config.model.moe.top_k=9"], "error: config.model.moe.top_k=9 is invalid: at most"),
     (["--config.mesh.expert=3"], "error: config.mesh.data=-1 is invalid"),
     (["--config.data.source=jsonl", "--config.data.paths=/nonexistent/*.jsonl"], "/nonexistent/*.jsonl"),
