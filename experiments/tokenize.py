@@ -44,8 +44,10 @@ def main(argv):
       print(f"{manifest.folder}: every checksum matches ({_summary(manifest)}; "
             f"{time.perf_counter() - start:.1f}s)")
       return
-    if not _SOURCE.value or not _OUT.value:
-      sys.exit("error: --source and --out are required (or --verify=FOLDER); --helpfull lists the flags")
+    missing = [f"--{flag.name}" for flag in (_SOURCE, _OUT) if not flag.value]
+    if missing:
+      sys.exit(f"error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
+               "(or --verify=FOLDER); --helpfull lists the flags")
     if (_SOURCE.value == "stdlib") == bool(_PATHS.value.strip()):
       sys.exit(f"error: --paths is required for --source={_SOURCE.value}" if _SOURCE.value != "stdlib" else
                "error: --source=stdlib reads this interpreter's standard library and takes no --paths")

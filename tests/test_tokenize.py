@@ -166,7 +166,7 @@ def test_tokenize_cli_errors(tmp_path):
   missing_out = _cli("--source=text", f"--paths={tmp_path}/*.txt")
   assert missing_out.returncode != 0 and "Traceback" not in missing_out.stderr
   assert missing_out.returncode == 1 and missing_out.stderr.strip() == (
-      "error: --source and --out are required (or --verify=FOLDER); --helpfull lists the flags")
+      "error: --out is required (or --verify=FOLDER); --helpfull lists the flags")
   bad_flag = _cli("--source=text", f"--paths={tmp_path}/a.txt", f"--out={tmp_path}/out", "--workers=-1")
   assert bad_flag.returncode != 0 and "Traceback" not in bad_flag.stderr
   assert "flag --workers=-1: -1 is not a non-negative integer" in bad_flag.stderr.splitlines()[0]
