@@ -1,10 +1,11 @@
 """Context-parallel causal attention: attention over a sequence split across devices.
 
 Layout. When the rules split the sequence inside attention (`act_attn_seq`) over n devices, the train step
-permutes each sequence into zigzag order (`zigzag_order`, from the plan's `sequence_order`) before the
-model sees it: cut into 2n chunks, device d holds chunks d and 2n-1-d. Causal attention's work grows with a query's position, so an early and a late chunk give
-every device the same amount. Positions travel with the tokens and causality follows them (key j is
-visible to query i iff pos_j <= pos_i), so any order is correct; zigzag only balances the work.
+permutes each sequence into zigzag order (`zigzag_order`, from the plan's `sequence_order`) before the model
+sees it: cut into 2n chunks, device d holds chunks d and 2n-1-d. Causal attention's work grows with a query's
+position, so an early and a late chunk give every device the same amount. Positions travel with the tokens and
+causality follows them (key j is visible to query i iff pos_j <= pos_i), so any order is correct; zigzag only
+balances the work.
 
 Kinds (`parallel.attention`), for a device r of n holding Sl = S/n = 2c rows of q, k, v:
 - `allgather`: all-gather K, V and positions over the sequence axes ([B, S, G, H] each), then compute only

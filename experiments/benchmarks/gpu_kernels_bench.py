@@ -31,10 +31,10 @@ Groups (rows of the table):
   warp-specialised, a producer and two consumer warpgroups on 128 x 256 tiles), jax.lax.ragged_dot_general,
   and the dense loop.
 - `ffn`, the whole expert FFN y = down(silu(x @ gate) * (x @ up)) per assignment row, forward and forward +
-  backward: meshmoe's two fused Comet kernels on a ring of one GPU (`mosaic_fused`: dispatch + grouped
-  GEMM with SwiGLU in its epilogue, then grouped GEMM + return; its backward recomputes gate and up per
-  tile; `mosaic_fused_ws`: the same, warp-specialised on Hopper's 128 x 256 tiles) against XLA's unfused ops on the same shapes (`xla_unfused`: three jax.lax.ragged_dot and the
-  SwiGLU between them, gate and up in memory).
+  backward: meshmoe's two fused Comet kernels on a ring of one GPU (`mosaic_fused`: dispatch + grouped GEMM
+  with SwiGLU in its epilogue, then grouped GEMM + return; its backward recomputes gate and up per tile;
+  `mosaic_fused_ws`: the same, warp-specialised on Hopper's 128 x 256 tiles) against XLA's unfused ops on the
+  same shapes (`xla_unfused`: three jax.lax.ragged_dot and the SwiGLU between them, gate and up in memory).
 - `attention`, causal GQA attention [B, S, N, H] x [B, S, G, H], forward and forward + backward:
   meshmoe's GPU path (context_parallel.sharded_attention, whole sequence, with the kernel the plan picks
   for this GPU: tokamax's flash attention), meshmoe's einsum path (context_parallel.causal_attention:
@@ -47,11 +47,11 @@ median sample / inner is the time per call. Forward + backward calls return the 
 and weight gradients (jax.vjp), so nothing is dead code.
 
 FLOPs are useful FLOPs: 2 M K N per grouped GEMM, 6 M D F per expert FFN (not the padding or the dense
-over-computation of an implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the causal half, as
-meshmoe.analysis.cost_model.forward_flops counts it), 3 x that forward + backward (the cost model's
-backward = 2 x forward; a flash backward's recomputed scores are not useful FLOPs). % peak is against the
-device's dense bf16 peak (meshmoe.training.metrics.peak_flops_per_device: H100 SXM / H200 989, H100
-PCIe 756, A100 312 TFLOP/s, from NVIDIA's datasheets; the MFU the trainer logs uses the same table), or
+over-computation of an implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the
+causal half, as meshmoe.analysis.cost_model.forward_flops counts it), 3 x that forward + backward (the cost
+model's backward = 2 x forward; a flash backward's recomputed scores are not useful FLOPs). % peak is against
+the device's dense bf16 peak (meshmoe.training.metrics.peak_flops_per_device: H100 SXM / H200 989, H100 PCIe
+756, A100 312 TFLOP/s, from NVIDIA's datasheets; the MFU the trainer logs uses the same table), or
 --peak_tflops. `err` is max |out - reference| / max |reference| of the forward output against a float32
 computation (the dense loop in float32; einsum attention in float32).
 
@@ -342,7 +342,8 @@ def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row
   for name, fn in impls.items():
     row = Row("wgrad", name, label, "fwd", flops)
     if fn is None:
-      rows.append(skipped(row, why_no_tokamax if name == "tokamax" else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
+      rows.append(skipped(row, why_no_tokamax if name == "tokamax"
+                          else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
     elif name.startswith("mosaic") and (why := weight_gradient.unsupported(
         k, n, jnp.bfloat16, *((mosaic_tiles.HOPPER_TILES,) if name == "mosaic_ws_128x256" else ()))
         or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
@@ -455,7 +456,8 @@ def attention_rows(b: int, s: int, n: int, g: int, h: int, device, on_gpu: bool)
   flops = 4.0 * b * n * h * s * (s + 1) / 2
   impls = {
       f"meshmoe flash ({kernel or 'none'})": (lambda q, k, v: cp.sharded_attention(
-          q, k, v, pos, implementation="local", axis_names=(), kernel=kernel)) if kernel and not why_no_kernel else None,
+          q, k, v, pos, implementation="local", axis_names=(), kernel=kernel))
+      if kernel and not why_no_kernel else None,
       "meshmoe einsum": lambda q, k, v: cp.causal_attention(q, k, v, pos, pos),
       "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
       "jax.nn cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
@@ -513,7 +515,8 @@ def main(argv):
   device = jax.devices()[0]
   on_gpu = device.platform == "gpu"
   if FLAGS.platform_check and not on_gpu:
-    sys.exit(f"error: JAX's first device is {device.platform}, not a GPU (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}); "
+    sys.exit(f"error: JAX's first device is {device.platform}, not a GPU "
+             f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}); "
              "--noplatform_check runs the CPU versions, only to check that this script runs")
   model = importlib.import_module(f"experiments.configs.{FLAGS.config}").get_config().model
   d = FLAGS.d_model or model.embed_dim
@@ -526,8 +529,8 @@ def main(argv):
   versions = {name: getattr(importlib.import_module(name), "__version__", "?") for name in ("jax", "jaxlib")}
   versions["tokamax"] = importlib.metadata.version("tokamax")
   print(f"device: {device.device_kind} ({device.platform}"
-        + (f", compute capability {getattr(device, 'compute_capability', '?')}, {getattr(device, 'core_count', '?')} SMs"
-           if on_gpu else "") + ")")
+        + (f", compute capability {getattr(device, 'compute_capability', '?')}, "
+           f"{getattr(device, 'core_count', '?')} SMs" if on_gpu else "") + ")")
   print("peak dense bf16: " + (f"{peak / 1e12:.1f} TFLOP/s" + (" (--peak_tflops)" if FLAGS.peak_tflops else
                                                                 " (meshmoe.training.metrics, NVIDIA datasheets)")
                                if peak else "unknown (% peak left out; --peak_tflops sets it)"))

@@ -12,9 +12,9 @@ optimizer; every micro-batch) against abstract state, and reads the compiled pro
   compute (hlo_collectives.py), next to the cost model's bytes per kind; `overlap_fraction` is the bytes
   of overlapped collectives over all collective bytes, from the compiled program only.
 The JSON holds the contract other tools read (ARCHITECTURE.md): `memory.peak_bytes_per_device`,
-`flops.compiled` (XLA's program only), `flops.kernels_modelled`, `flops.model`, `collectives` ([{kind, bytes, overlapped}]) and `overlap_fraction`, plus
-the detail above and `plan`, the parallel plan the step was compiled with (which implementation each op
-ran, and why where it fell back).
+`flops.compiled` (XLA's program only), `flops.kernels_modelled`, `flops.model`, `collectives` ([{kind, bytes,
+overlapped}]) and `overlap_fraction`, plus the detail above and `plan`, the parallel plan the step was
+compiled with (which implementation each op ran, and why where it fell back).
 """
 
 from __future__ import annotations
@@ -163,8 +163,10 @@ def format_table(report: dict[str, Any]) -> str:
       f"compiled in {report['compile_seconds']:.1f} s",
       "",
       "per device, per step             compiled (XLA's program)   modelled (cost model)",
-      f"matmul FLOPs outside kernels  {flops['compiled'] / 1e12:10.3f} TF        {flops['cost_model_outside_kernels'] / 1e12:10.3f} TF"
-      + (f"   (compiled / modelled = {flops['compiled_over_cost_model']:.2f})" if flops['compiled_over_cost_model'] else ""),
+      f"matmul FLOPs outside kernels  {flops['compiled'] / 1e12:10.3f} TF        "
+      f"{flops['cost_model_outside_kernels'] / 1e12:10.3f} TF"
+      + (f"   (compiled / modelled = {flops['compiled_over_cost_model']:.2f})"
+         if flops['compiled_over_cost_model'] else ""),
       f"matmul FLOPs in kernels            (opaque)        {sum(flops['kernels_modelled'].values()) / 1e12:10.3f} TF"
       f"   (worst case {sum(flops['kernels_modelled_worst_case'].values()) / 1e12:.3f} TF; "
       + ", ".join(f"{part} {value / 1e12:.3f}" for part, value in flops["kernels_modelled"].items() if value) + ")",
@@ -198,5 +200,6 @@ def format_table(report: dict[str, Any]) -> str:
   else:
     verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
     lines.append(f"memory verdict: {verdict}: peak {gb(mem['peak_bytes_per_device']).strip()} of "
-                 f"{gb(mem['device_bytes']).strip()} per device ({100 * mem['peak_bytes_per_device'] / mem['device_bytes']:.0f}%)")
+                 f"{gb(mem['device_bytes']).strip()} per device "
+                 f"({100 * mem['peak_bytes_per_device'] / mem['device_bytes']:.0f}%)")
   return "\n".join(lines)
