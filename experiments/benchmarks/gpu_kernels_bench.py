@@ -1,7 +1,8 @@
 """MoE grouped GEMM and causal attention on one GPU at an experiment's shapes: time, TFLOP/s, % of peak.
 
   python -m experiments.benchmarks.gpu_kernels_bench [--config=moe_1b] [--assignments=16384] [--seq_len=4096]
-      [--attention_batch=2] [--iters=20] [--inner=10] [--only=gemm,wgrad,ffn,attention] [--json_out=FILE]
+      [--attention_batch=2] [--iters=20] [--inner=10] [--only=gemm,wgrad,ffn,attention] [--impls=PREFIX,...]
+      [--json_out=FILE]
 
 Shapes come from experiments/configs/<config>.py (moe_1b: d_model 1024, 32 experts of width 512, top-4;
 16 query / 4 key-value heads of 64), each overridable by a flag. Everything is bfloat16 with float32
@@ -96,6 +97,8 @@ flags.DEFINE_list("mosaic_tiles", ["64x128x64x4", "128x128x64x4", "128x256x64x3x
                   "tile shapes BMxBNxBKxSTAGES[xCONSUMERS] of meshmoe's Mosaic GPU grouped GEMM rows, one row "
                   "each (pallas_kernels/mosaic_tiles.py; the first is the kernels' default, the last Hopper's "
                   "warp-specialised layout)")
+flags.DEFINE_list("impls", [], "only the implementations whose names start with one of these (e.g. "
+                  "mosaic,dense_batched: no tokamax autotuning in a short GPU slot); default: every one")
 flags.DEFINE_float("peak_tflops", 0.0, "dense bf16 peak TFLOP/s of the device (0: look up its kind)")
 flags.DEFINE_bool("platform_check", True, "require a GPU (--noplatform_check: run the CPU versions)")
 flags.DEFINE_string("json_out", None, "also write the rows as JSON lines to this file")
@@ -142,7 +145,10 @@ def relative_error(actual, expected) -> float:
 
 def run_row(row: Row, build: Callable[[], tuple[Callable, tuple]], check: Callable | None = None) -> Row:
   """Times what `build()` returns ((jitted fn, args)); `check(output)` gives the row's err. A failure
-  (an unsupported shape, a kernel that does not compile) is the row's note, not the end of the run."""
+  (an unsupported shape, a kernel that does not compile) is the row's note, not the end of the run. Each
+  row is printed as it finishes, so a run cut short by a time limit keeps what it measured."""
+  if not wanted(row.name):
+    return row
   try:
     fn, args = build()
     if check is not None:
@@ -151,7 +157,15 @@ def run_row(row: Row, build: Callable[[], tuple[Callable, tuple]], check: Callab
   except Exception as e:  # noqa: BLE001: one implementation's failure must not hide the others' numbers
     row.note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     traceback.print_exc(file=sys.stderr)
+  measured = (f"{row.seconds * 1e3:.3f} ms, {row.flops / row.seconds / 1e12:.1f} TFLOP/s" if row.seconds
+              else row.note)
+  print(f"  {row.group} {row.name} {row.mode} {row.shape}: {measured}", flush=True)
   return row
+
+
+def wanted(name: str) -> bool:
+  """Whether --impls lets the implementation `name` run."""
+  return not FLAGS.impls or any(name.startswith(prefix) for prefix in FLAGS.impls)
 
 
 def skipped(row: Row, why: str) -> Row:
@@ -547,9 +561,12 @@ def main(argv):
             "wgrad": lambda: wgrad_rows(m, e, d, f, device, on_gpu),
             "ffn": lambda: ffn_rows(m, e, d, f, device, on_gpu),
             "attention": lambda: attention_rows(FLAGS.attention_batch, FLAGS.seq_len, n, g, h, device, on_gpu)}
+  names: set[str] = set()  # of every implementation the groups have, run or not
   for group in GROUPS:
     if group in FLAGS.only:
-      rows += groups[group]()
+      group_rows = groups[group]()
+      names.update(row.name for row in group_rows)
+      rows += [row for row in group_rows if wanted(row.name)]
       print(f"\n{group} done:\n" + table([r for r in rows if r.group == group], peak), flush=True)
   print("\nall rows:")
   print(table(rows, peak))
@@ -558,6 +575,10 @@ def main(argv):
       for r in rows:
         out.write(json.dumps(dataclasses.asdict(r) | {"device": device.device_kind, "peak_flops": peak}) + "\n")
     print(f"rows written to {FLAGS.json_out}")
+  unmatched = [prefix for prefix in FLAGS.impls if not any(name.startswith(prefix) for name in names)]
+  if unmatched:
+    sys.exit(f"error: --impls {', '.join(map(repr, unmatched))} matched no implementation of the groups run; "
+             f"they have: {', '.join(sorted(names))}")
   failed = [r for r in rows if r.note.startswith("error")]
   if failed:
     print(f"{len(failed)} row(s) failed (tracebacks above, on stderr): "

@@ -23,7 +23,9 @@
 #   OUT_DIR          where the log, bench rows and the training workdir go (default /tmp/meshmoe_gpu_kit_<time>)
 #   KIT_PARTS        which parts to run (default "tests bench train")
 #   PYTEST_ARGS      extra pytest arguments (e.g. "-x" or "-k attention")
-#   BENCH_ARGS       extra gpu_kernels_bench flags (e.g. "--iters=50 --only=gemm")
+#   BENCH_ARGS       extra gpu_kernels_bench flags (e.g. "--iters=50 --only=gemm"; in a short GPU slot, the fused
+#                    kernels' two layouts against cuBLAS and XLA at Mixtral's shapes, without tokamax's tuning:
+#                    "--config=mixtral_8x7b --only=gemm,ffn --impls=mosaic,dense_batched,xla_unfused")
 #   MOE1B_STEPS      training steps (default 100)
 #   MOE1B_BATCH      sequences of 2048 tokens per step (default 64, the config's)
 #   MOE1B_ACCUM      micro-batches per step (default 4: 16 sequences, 32K tokens, per micro-batch, which
