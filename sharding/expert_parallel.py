@@ -28,6 +28,10 @@ Expert-tensor parallelism: when the rules also split the experts' width (`exp_ml
 device computes partial sums over its slice of the width; they are psum-ed, or reduce-scattered back to the
 residual layout where the tokens were split over those axes (they are all-gathered first; `tp_sp`).
 
+Weights stored split along D (the fsdp preset, `mesh.weight_storage`) enter the op as stored and are
+all-gathered here, cast to the compute dtype first (`_gather_stored`): the gathers move the compute dtype
+in the forward and in the remat'd backward alike, and the gradient is reduce-scattered to the storage split.
+
 Implementations (the plan's `expert_ffn` picks one; sharding/plan.py):
 - `local` (ep == 1): nothing to exchange, the one-device computation (grouped_ffn.moe_local);
 - `all_to_all`: steps 1-5 over `chunks` chunks of a device's tokens (after the expert-tensor gather),
@@ -57,6 +61,7 @@ from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
 from meshmoe.sharding import exchange_formats, gradient_sync, grouped_ffn, moe_pipeline, parallel
 from meshmoe.sharding.grouped_ffn import Activation, ExpertWeights
+from meshmoe.sharding.parallel import Axes
 from meshmoe.sharding.plan import ExpertChoice, ExpertLayout, Hardware, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.shardings import current
 
@@ -78,6 +83,8 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
 
   w_specs = ExpertWeights(lay.gate_spec, lay.gate_spec, lay.down_spec)
   compressed = plan.gradient_compression != "none"
+  if lay.weight_gather:
+    w_specs = ExpertWeights(lay.gate_shard_spec, lay.gate_shard_spec, lay.down_shard_spec)
   if compressed:  # one copy per replica, whose gradients gradient_sync sums
     axes = plan.gradient_replica_axes
     if replicas is None:
@@ -97,6 +104,8 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
       # Tokens are the same on every width slice; marking them as differing here puts the backward's sum
       # over those slices on the [B, S, D] input instead of on the padded dispatch buffers inside.
       x_BSD, weights_BSK = (jax.lax.pcast(a, lay.reduce, to="varying") for a in (x_BSD, weights_BSK))
+    if lay.weight_gather:
+      w = _gather_stored(w, x_BSD, lay.weight_gather)
     choice = plan.expert_ffn(lay.ep, x_BSD.shape[-1], w.gate_EDF.shape[-1], x_BSD.dtype)
     y_BSD = IMPLEMENTATIONS[choice.implementation](x_BSD, experts_BSK, weights_BSK, w, activation, lay, choice,
                                                     plan.hardware.num_sms)
@@ -109,6 +118,28 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   x_spec = lay.token_spec
   return parallel.shard_map(plan, body, (x_spec, x_spec, x_spec, w_specs), x_spec)(
       x_BSD, experts_BSK, weights_BSK, w)
+
+
+def _gather_stored(w: ExpertWeights, x_BSD: jax.Array, axes: Axes) -> ExpertWeights:
+  """The expert weights stored split along D over `axes` (FSDP, `mesh.weight_storage`), whole along D, in
+  the compute dtype. Gathered here rather than by GSPMD at the op's boundary, where XLA gathered float32
+  in the remat'd backward (twice the bytes; the forward's convert came first) and summed the gradient
+  with an all-reduce over `axes` before slicing it to storage. Here each gather is of the cast shard and
+  its transpose is a reduce-scatter: half an all-reduce's bytes. The shard is marked varying over the
+  tokens' other axes first, so that the gradient's sum over those runs after the reduce-scatter, on the
+  shard."""
+  others = parallel.without(parallel.varying_axes(x_BSD), axes)
+
+  def gather(a: jax.Array, dim: int) -> jax.Array:
+    # Gathered along a new leading dimension, then moved in place: gathering along D itself makes XLA
+    # transpose D to the front of the stored float32 stack of every layer first (copies of all layers'
+    # weights, outside the layer loop: 5.7 GB more on Mixtral-8x7B, fsdp on 64 H100s, deviceless).
+    parts = jax.lax.all_gather(parallel.vary_over(a.astype(x_BSD.dtype), others), axes)
+    shape = list(a.shape)
+    shape[dim] *= parts.shape[0]
+    return jnp.moveaxis(parts, 0, dim).reshape(shape)
+
+  return ExpertWeights(gather(w.gate_EDF, 1), gather(w.up_EDF, 1), gather(w.down_EFD, 2))
 
 
 def expert_replicas(w_L: ExpertWeights, residual: ExpertWeights | None) -> ExpertWeights | None:

@@ -138,6 +138,12 @@ class ExpertLayout:
   token_spec: PartitionSpec  # the tokens [B, S, ...] as the residual stream holds them
   gate_spec: PartitionSpec  # [E, D, F] inside the op (D whole)
   down_spec: PartitionSpec  # [E, F, D] inside the op
+  # D split for storage only (FSDP, `mesh.weight_storage`) over axes that split the tokens: the op takes the
+  # weights so (`gate_shard_spec`, `down_shard_spec`) and all-gathers D over `weight_gather` itself
+  # (expert_parallel._gather_stored); () where there is nothing to gather.
+  gate_shard_spec: PartitionSpec
+  down_shard_spec: PartitionSpec
+  weight_gather: Axes
   expert_axes: Axes  # split the experts: expert parallelism over their product, `ep`
   width_axes: Axes  # split each expert's width (expert-tensor parallelism)
   token_dim: int  # the token dimension (0 batch, 1 sequence) gathered over `gather`
@@ -270,6 +276,16 @@ class ParallelPlan:
     token_spec = self.activation_spec(_RESIDUAL)
     gate_spec = self.weight_spec(("exp", "embed", "exp_mlp"))
     down_spec = self.weight_spec(("exp", "exp_mlp", "embed"))
+    # The storage axes the op gathers over: those that split the tokens (storage over other axes, if any,
+    # is GSPMD's to gather) and have more than one device. None under a compressed gradient sum, whose
+    # replicas hold whole experts (Config refuses split storage with it).
+    token_axes = parallel.all_axes(token_spec)
+    weight_gather = tuple(a for a in parallel.dim_axes(self.param_spec(("exp", "embed", "exp_mlp")), 1)
+                          if a in token_axes and self.mesh.shape[a] > 1)
+    if self.gradient_compression != "none":
+      weight_gather = ()
+    with_d = lambda spec, dim: PartitionSpec(*[(weight_gather or None) if i == dim else entry
+                                               for i, entry in enumerate([*spec, None, None, None][:3])])
     expert_axes, width_axes = parallel.dim_axes(gate_spec, 0), parallel.dim_axes(gate_spec, 2)
     token_dim, gather = 1, ()
     for dim in (1, 0):  # the sequence first: gathering it keeps every device's batch rows whole
@@ -278,7 +294,8 @@ class ParallelPlan:
       if shared:
         token_dim, gather = dim, shared
         break
-    return ExpertLayout(token_spec, gate_spec, down_spec, expert_axes, width_axes, token_dim, gather,
+    return ExpertLayout(token_spec, gate_spec, down_spec, with_d(gate_spec, 1), with_d(down_spec, 2),
+                        weight_gather, expert_axes, width_axes, token_dim, gather,
                         parallel.without(width_axes, gather), self.axis_size(expert_axes))
 
   def attention_axes(self) -> Axes:

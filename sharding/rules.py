@@ -22,17 +22,17 @@ Presets (see sharding/PLACEMENT.md for the placement of every tensor):
 - megascale: MegaScale-MoE: attention sequence-parallel over the `expert` and `sequence` devices, the MoE
              FFN expert-parallel over `expert` (expert width over `tensor`), batch over `data`.
 
-Weight storage (`mesh.weight_storage`, `with_storage`): on top of any preset, every weight's `embed`
-dimension (and so its gradient's and its Adam moments') can also be split for storage over `data`
-("data": expert-data parallelism, the experts' storage split over `expert` and `data`) or over every axis
-(ALL_AXES, "all": ZeRO-3/FSDP on top of the preset). The axes are appended to what the preset already has
-for `embed`, and by the precedence above a tensor's `embed` then gets exactly the axes its higher-priority
-dimensions leave it: the experts [E, D, F] of `ep` under "all" are D over (data, tensor, sequence), the
-router [D, E] D over all four. The parallel ops take weights with `embed` whole (ParallelPlan.weight_spec),
-so XLA all-gathers each layer's weights where the layer uses them and sums their gradients into each
-device's slice (a reduce-scatter where it forms one): the `fsdp` preset's mechanism, which "all" applied
-to `dp` reproduces. The optimizer rules get the same
-axes, so the optimizer state is never less split than the parameters.
+Weight storage (`mesh.weight_storage`, `with_storage`): on top of any preset, every weight's `embed` dimension
+(and so its gradient's and its Adam moments') can also be split for storage over `data` ("data": expert-data
+parallelism, the experts' storage split over `expert` and `data`) or over every axis (ALL_AXES, "all":
+ZeRO-3/FSDP on top of the preset). The axes are appended to what the preset already has for `embed`, and by
+the precedence above a tensor's `embed` then gets exactly the axes its higher-priority dimensions leave it:
+the experts [E, D, F] of `ep` under "all" are D over (data, tensor, sequence), the router [D, E] D over all
+four. The parallel ops take weights with `embed` whole (ParallelPlan.weight_spec), so XLA all-gathers each
+layer's weights where the layer uses them and sums their gradients into each device's slice (a reduce-scatter
+where it forms one): the `fsdp` preset's mechanism, which "all" applied to `dp` reproduces. The MoE op gathers
+its experts itself (expert_parallel._gather_stored). The optimizer rules get the same axes, so the optimizer
+state is never less split than the parameters.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The compiled whole-model program of `ep` and `megascale` moves tokens with all-to-alls, never by
 gathering hidden states: on 8 CPU devices (padded all-to-all) and compiled deviceless for 8 H100s
-(ragged-all-to-all; needs the `deviceless` extra, which the test command installs)."""
+(ragged-all-to-all; needs the `deviceless` extra, which the test command installs). Experts stored split
+along D are gathered in the compute dtype and their gradient is reduce-scattered (deviceless)."""
 
+import math
 import re
 
 import jax
@@ -101,3 +103,34 @@ def test_the_detector_finds_gspmds_gather_of_the_tokens():
   global_view = lambda x, e, g, w: grouped_ffn.moe_local(x, e, g, w, swiglu_hidden, "blocked")
   hlo = deviceless.compile_for_analysis(jax.jit(global_view).lower(x, experts, weights, w)).as_text()
   assert _token_set_collectives(hlo, config)
+
+
+def _collective_arrays(hlo: str, kind: str) -> set[tuple[str, int]]:
+  """(dtype, number of elements) of every array in the types of the `kind` collectives of `hlo` (for an
+  asynchronous one, its operands' and results')."""
+  found = set()
+  for line in hlo.splitlines():
+    if m := re.search(rf"= (.*?) {kind}(?:-start)?\(", line):
+      found |= {(dtype, math.prod(int(n) for n in dims.split(",") if n))
+                for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m[1])}
+  return found
+
+
+def test_h100_program_gathers_stored_experts_in_bfloat16_and_reduce_scatters_their_gradient():
+  """Experts stored split along D (mesh.weight_storage="data") are gathered inside the MoE op in the compute
+  dtype, in the forward and again in the remat'd backward, and their gradient is reduce-scattered. Left to
+  GSPMD at the op's boundary, the recomputed forward gathered them in float32 and the gradient was
+  all-reduced whole, then sliced."""
+  config = _config((2, 4, 1, 1), "ep")
+  config.mesh.weight_storage = "data"
+  config.model.dtype, config.model.remat = "bfloat16", "full"
+  config.model.moe.expert_mlp_dim = 48  # so that no other weight has an expert weight's size
+  config = config.validate(8)
+  hlo = _compiled_loss_and_grad(config, gpu_mesh((2, 4, 1, 1), AXES))
+  moe = config.model.moe
+  whole = moe.num_experts // 4 * config.model.embed_dim * moe.expert_mlp_dim  # one weight on one device
+  gathered = _collective_arrays(hlo, "all-gather")
+  assert ("bf16", whole) in gathered and ("f32", whole) not in gathered, gathered
+  assert ("bf16", whole // 2) in _collective_arrays(hlo, "reduce-scatter")
+  summed = {size for _, size in _collective_arrays(hlo, "all-reduce")}
+  assert not summed & {whole, 2 * whole, 3 * whole}, summed

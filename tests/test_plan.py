@@ -8,6 +8,7 @@
   is what the compiled step contains.
 """
 
+import dataclasses
 import json
 import re
 
@@ -320,7 +321,8 @@ def test_the_layer_schedule_is_in_the_plan_and_odd_rows_are_one_config_error():
 
 def test_weight_storage_is_in_the_plan_and_its_layouts():
   """mesh.weight_storage changes where weights are stored, not how the ops use them: the same weight_spec
-  and expert layout, param_spec and optimizer_spec split further; the table and plan.json say which."""
+  and expert layout, param_spec and optimizer_spec split further; the table and plan.json say which. The
+  MoE op takes its experts split as stored and gathers them itself (expert_parallel._gather_stored)."""
   config = _config("megascale")
   preset = ParallelPlan.build(config, make_mesh(config.mesh))
   config.mesh.weight_storage = "data"
@@ -329,7 +331,13 @@ def test_weight_storage_is_in_the_plan_and_its_layouts():
   assert plan.param_spec(experts) == plan.optimizer_spec(experts) == \
       jax.sharding.PartitionSpec(None, "expert", "data", "tensor")
   assert plan.weight_spec(experts) == preset.weight_spec(experts)
-  assert plan.expert_layout() == preset.expert_layout() and plan.ops == preset.ops
+  stored, same = plan.expert_layout(), preset.expert_layout()
+  assert (stored.weight_gather, stored.gate_shard_spec, stored.down_shard_spec) == (
+      ("data",), jax.sharding.PartitionSpec("expert", "data", "tensor"),
+      jax.sharding.PartitionSpec("expert", "tensor", "data"))
+  assert (same.weight_gather, same.gate_shard_spec) == ((), same.gate_spec)
+  assert dataclasses.replace(stored, gate_shard_spec=same.gate_shard_spec, down_shard_spec=same.down_shard_spec,
+                             weight_gather=()) == same and plan.ops == preset.ops
   assert json.loads(json.dumps(plan.to_json()))["weight_storage"] == "data"
   assert preset.to_json()["weight_storage"] == "preset"
   assert plan.table().splitlines()[0].startswith(

@@ -258,7 +258,9 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
 
 def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   """Each weight's gradient is all-reduced over the devices that hold the same slice of it but compute
-  different tokens; once per micro-batch for weights inside parallel ops, once per step for the rest."""
+  different tokens; once per micro-batch for weights inside parallel ops, once per step for the rest. The
+  routed experts' weights stored split along `embed` are gathered inside the MoE op (expert_parallel.py),
+  so their gradient is first reduce-scattered over those axes, then all-reduced over the rest as a shard."""
   m, moe, t = lay.config.model, lay.config.model.moe, lay.config.train
   c = jnp.dtype(m.dtype).itemsize
   num_moe = m.num_layers - m.num_dense_layers
@@ -298,6 +300,12 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
       for kind, nbytes in gradient_sync.result_bytes(num_moe * elements // 3 // shards, compression, replicas,
                                                        lay.plan.hardware.platform).items():
         totals[kind, replica_axes] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
+    gathered_in_op = lay.plan.expert_layout().weight_gather if "exp" in names else ()
+    if gathered_in_op:
+      shards *= lay.size(gathered_in_op)
+      summed -= set(gathered_in_op)
+      totals["reduce-scatter", gathered_in_op] += repeats * moved_bytes(
+          "reduce-scatter", lay.size(gathered_in_op), elements * itemsize / shards)
     group = lay.size(tuple(summed))
     totals["all-reduce", lay.in_mesh_order(summed)] += repeats * moved_bytes("all-reduce", group,
                                                                             elements * itemsize / shards)
@@ -308,12 +316,16 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
 
 def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:
   """Whether the backward pass all-gathers a layer's FSDP-split weights again rather than keeping the
-  forward's gathered copy: always under remat (the recomputed forward gathers them), and for the routed
-  experts' float32 weights on one expert shard, which the blocked GEMM's custom VJP keeps as stored."""
+  forward's gathered copy: always under remat (the recomputed forward gathers them). Without remat the
+  copy is kept, with one exception: routed experts that GSPMD gathers at the MoE op's boundary (split for
+  storage over axes that do not split the tokens; the op gathers the others itself) in float32 on one
+  expert shard, which the blocked GEMM's custom VJP keeps as stored."""
   if config.model.remat != "none":
     return True
+  if not experts or plan.expert_layout().weight_gather:
+    return False
   choice = plan.ops.get("moe")
-  return (experts and choice is not None and choice.implementation == "local" and choice.grouped_gemm == "blocked"
+  return (choice is not None and choice.implementation == "local" and choice.grouped_gemm == "blocked"
           and jnp.dtype(config.model.dtype) == jnp.float32)
 
 

@@ -263,8 +263,8 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     # the input gradient multiplies by each layer's transposed (cast) weights, and XLA's layout assignment
     # transposes the stored float32 stack once for all layers instead (seen on every moe_1b layout with
     # remat). Without remat the layer loop keeps each layer's cast (and gathered) weights and XLA transposes
-    # those compute-dtype copies, besides the float32 stacks split storage is gathered from (moe_1b, dp and
-    # fsdp on 8 H100s: bf16[16, 32, 1024, 1024] and [16, 32, 1024, 512] transposed).
+    # those compute-dtype copies (moe_1b, dp and fsdp on 8 H100s: bf16[16, 32, 1024, 1024] and
+    # [16, 32, 1024, 512] transposed), besides any float32 stack GSPMD gathers from (`_gather_transposes`).
     elements = 3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * d * moe.expert_mlp_dim
     stored = elements * 4 / _shards(plan, plan.param_spec(logical))
     if m.remat == "none":
@@ -279,13 +279,15 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
 
 
 def _gather_transposes(config: Config, plan: ParallelPlan) -> float:
-  """Expert weights stored split along `embed` (mesh.weight_storage, or the fsdp preset) reach the fused
-  kernels whole along it: XLA all-gathers each layer's slice along `embed`, which it first makes the major
-  dimension, and it transposes the stacked float32 weights of all layers once, outside the layer loop
-  (3 such stacks in DeepSeek-V3's compiled step on 256 H100s, 9.5 GB)."""
+  """Expert weights stored split along `embed` over axes that do not split the tokens reach the MoE op
+  whole along it, gathered by GSPMD at the op's boundary: XLA all-gathers each layer's slice along `embed`,
+  which it first makes the major dimension, and it transposes the stacked float32 weights of all layers
+  once, outside the layer loop (3 such stacks in DeepSeek-V3's compiled step on 256 H100s, 9.5 GB, when
+  every storage split was gathered there). The op gathers the other storage axes itself, along a new
+  leading dimension (expert_parallel._gather_stored): no transposed stack."""
   logical = ("exp", "embed", "exp_mlp")
   stored, used = _shards(plan, plan.param_spec(logical)), _shards(plan, plan.weight_spec(logical))
-  if stored == used:
+  if stored == used * plan.axis_size(plan.expert_layout().weight_gather):
     return 0.0
   m, moe = config.model, config.model.moe
   return 3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * m.embed_dim * moe.expert_mlp_dim * 4 / stored
