@@ -7,7 +7,7 @@
 (`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
 communication; `experiments.plan` ranks every layout; tests/test_configs.py validates and shape-checks this
 file.) This config does not train on CPU (2.7 TB of float32 parameters). On 256 H100s its step compiles to
-80.0 GB per device of 84.9 (2026-11-26, deviceless; the cost model says 78.6 GB); 256 is the fewest H100s on
+75.7 GB per device of 84.9 (2026-11-27, deviceless; the cost model says 79.3 GB); 256 is the fewest H100s on
 which any layout fits, by the planner (see "mesh" below).
 
 Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
@@ -36,21 +36,21 @@ ExpertBias variables, not parameters, and are not counted.
 
 Choices:
 - mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`): preset "tp_sp" with
-  tensor=8 (within a node), expert=4, data=-1 (8 at 256 devices), every weight's storage split over every
+  tensor=8 (within a node), expert=2, data=-1 (16 at 256 devices), every weight's storage split over every
   axis (mesh.weight_storage="all", FSDP on top of the preset: each layer's weights all-gathered as the step
-  uses them), the fused kernels (parallel.impl="pallas") and 480 micro-batches of 32 sequences (one per
+  uses them), the fused kernels (parallel.impl="pallas") and 160 micro-batches of 96 sequences (3 per
   data x expert rank). Float32 parameter + gradient (twice, with the accumulated sum) + two Adam moments
   are 20 bytes per parameter, 13.4 TB in all: 52 GB per device at 256, split evenly only because the
   storage is split over every axis. At 128 H100s no layout fits (the least needs 115 GB per device,
   modelled). The cost is time: every micro-batch gathers the layer's weights again and sums their
-  gradients, which the planner predicts dominate the step (about 2% MFU at its stated 50% GEMM
+  gradients, which the planner predicts dominate the step (about 4% MFU at its stated 50% GEMM
   efficiency). DeepSeek itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1;
   meshmoe has no pipeline axis.
 - remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
   queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer
   beside the 7168-wide input), and the routed expert GEMMs are recomputed under either policy.
 - train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
-  from 3072 over the first 469B tokens, not modelled) in 480 micro-batches of 32 (see "mesh"). steps:
+  from 3072 over the first 469B tokens, not modelled) in 160 micro-batches of 96 (see "mesh"). steps:
   14.8T tokens / 62.9M = 235K.
 - optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
   warmup steps, down to 2.2e-5 (ratio 0.1). The paper holds the peak until 10T tokens and then decays
@@ -76,11 +76,11 @@ def get_config() -> Config:
               num_groups=8, top_k_groups=4,
               aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=4, tensor=8, sequence=1, preset="tp_sp", weight_storage="all"),
+      mesh=MeshConfig(data=-1, expert=2, tensor=8, sequence=1, preset="tp_sp", weight_storage="all"),
       parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=480,
+      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=160,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )
