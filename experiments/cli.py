@@ -34,8 +34,8 @@ def _unknown_override(argv: list[str], error: KeyError) -> str:
   fields = list(_field_paths(root))
   for arg in argv:
     path = arg.removeprefix("--config.").split("=", 1)[0]
-    if not arg.startswith("--config.") or path in fields:
-      continue
+    if not arg.startswith("--config.") or path in fields or _section(root, path) is not None:
+      continue  # not an override, or a field or section that exists
     parent, _, name = path.rpartition(".")
     section = _section(root, parent)
     if section is None:
