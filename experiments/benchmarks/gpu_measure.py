@@ -1,0 +1,529 @@
+"""Everything meshmoe measures on one GPU, in one command that fits a short lease: correctness, speed, training.
+
+  python -m experiments.benchmarks.gpu_measure --out=DIR [--budget_s=480] [--parts=gemm,train,attention]
+      [--shapes=moe_1b,mixtral_8x7b,qwen3_30b_a3b,deepseek_v3] [--implementations=PREFIX,...]
+  (experiments/benchmarks/gpu_measure.sh installs carried wheels first and runs this.)
+
+Parts, each in its own process (a part's GPU memory is free for the next; a part cut off by its time share
+loses only the rows it had not finished), in the order given:
+- `gemm`: every candidate implementation of the grouped GEMM's three forms (sharding/grouped_gemm_kernels.py:
+  forward, input gradient, weight gradient) at each shipped config's expert shape. Each candidate is compiled
+  once, then (a) checked on uneven routing (an empty group, a one-row group, the rest drawn from a skewed
+  Dirichlet) against a float32 reference that multiplies each group's rows as a padded dense batch (no
+  ragged kernel), per group: relative Frobenius error <= GEMM_TOLERANCE, every value finite, empty groups'
+  weight gradients exactly 0; then (b) timed on balanced routing: TFLOP/s of useful FLOPs (2 M K N);
+- `attention`: causal GQA attention forward and backward, tokamax's flash kernels and jax.nn's cuDNN and
+  XLA versions, checked against float32 attention (output and the three gradients) and timed;
+- `train`: experiments.train on the one GPU, moe_1b and a one-GPU proxy of Qwen3-30B-A3B (its real widths,
+  128 experts top-8, PROXY_LAYERS layers): tokens/s and MFU over the logged steps after the first.
+
+Every row is appended to DIR/measure.jsonl as it finishes and printed; DIR/measure.md is the tables,
+rewritten after each part. Nothing autotunes: tokamax runs its tuned table or its heuristics.
+
+Shapes (`SHAPES`): the gate+up GEMM (K = d_model, N = 2 x expert width) of one device's micro-batch, with
+the experts that device holds under the config's layout.
+
+--dry_run runs the same code on CPU at tiny shapes (the XLA candidates, tiny_moe's training): a check
+that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+from absl import app, flags
+
+PARTS = ("gemm", "train", "attention")  # the default order: the least measured first
+GEMM_TOLERANCE = 1e-2  # bf16 output rounding is ~2e-3 relative; a wrong tile or race is far above
+ATTENTION_TOLERANCE = 2e-2  # bf16 probabilities and score gradients are rounded before their products
+PROXY_LAYERS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+  """One device's grouped GEMM: `rows` assignment rows over `experts` local experts, K x N per expert."""
+
+  experts: int
+  rows: int
+  d_model: int
+  expert_width: int
+  why: str
+
+  @property
+  def k(self) -> int:
+    return self.d_model
+
+  @property
+  def n(self) -> int:
+    return 2 * self.expert_width  # gate and up side by side, as sharding/grouped_ffn.py runs them
+
+
+SHAPES = {
+    "moe_1b": GemmShape(32, 32768, 1024, 512, "8192 tokens x top-4 on one GPU, all 32 experts"),
+    "mixtral_8x7b": GemmShape(8, 16384, 4096, 14336, "8192 tokens x top-2, all 8 experts (expert width whole)"),
+    "qwen3_30b_a3b": GemmShape(128, 65536, 2048, 768, "8192 tokens x top-8 on one GPU, all 128 experts"),
+    "deepseek_v3": GemmShape(32, 32768, 7168, 2048, "4096 tokens x top-8 at 8-way expert parallelism: 32 of 256"),
+}
+DRY_RUN_SHAPES = {"tiny": GemmShape(4, 64, 32, 16, "dry run")}
+
+# Candidates per form: (implementation, tiles). jax_mgpu's tiles are its keyword arguments.
+_MGPU_ROWS = (("block_m", 128), ("block_n", 128), ("block_k", 64), ("max_concurrent_steps", 4), ("grid_block_n", 1))
+_MGPU_CONTRACTION = _MGPU_ROWS
+CANDIDATES = {
+    "forward": [("tokamax_mosaic", ()), ("tokamax_triton", ()), ("jax_mgpu", _MGPU_ROWS), ("xla_cudnn", ()),
+                ("xla", ())],
+    "input_gradient": [("tokamax_mosaic", ()), ("tokamax_triton", ()), ("jax_mgpu", _MGPU_ROWS),
+                       ("xla_cudnn", ()), ("xla", ())],
+    "weight_gradient": [("meshmoe_mosaic", ()), ("tokamax_triton", ()), ("jax_mgpu", _MGPU_CONTRACTION),
+                        ("tokamax_mosaic", ()), ("xla", ())],
+}
+# XLA's ragged_dot computes every group densely (E x the useful FLOPs): not timed where that is more than this.
+XLA_DENSE_MAX_FLOPS = 5e12
+
+flags.DEFINE_string("out", None, "folder for measure.jsonl, measure.md and the training runs", required=True)
+flags.DEFINE_float("budget_s", 480.0, "wall-clock seconds for all parts together")
+flags.DEFINE_list("parts", list(PARTS), f"parts in the order to run: {', '.join(PARTS)}")
+flags.DEFINE_list("shapes", list(SHAPES), f"configs whose shapes are measured: {', '.join(SHAPES)}")
+flags.DEFINE_list("implementations", [], "only candidates whose names start with one of these (default: all)")
+flags.DEFINE_integer("iters", 10, "timed samples per row (median reported)", lower_bound=1)
+flags.DEFINE_integer("inner", 5, "calls per timed sample, launched back to back", lower_bound=1)
+flags.DEFINE_integer("train_steps", 30, "training steps per run", lower_bound=2)
+flags.DEFINE_string("train_root", "/tmp/meshmoe_measure_runs", "where the training runs' workdirs go")
+flags.DEFINE_bool("dry_run", False, "CPU, tiny shapes: check the script, measure nothing")
+flags.DEFINE_string("part", None, "internal: run one part in this process")
+flags.DEFINE_float("deadline", 0.0, "internal: time.time() by which the part must end")
+FLAGS = flags.FLAGS
+
+# Shares of the budget per part (the rest of a part's share passes to the next).
+_SHARES = {"gemm": 0.55, "train": 0.3, "attention": 0.15}
+
+
+# Shared -------------------------------------------------------------------------------------------------------
+
+
+def emit(row: dict) -> None:
+  """Appends one row to measure.jsonl and prints it."""
+  with open(pathlib.Path(FLAGS.out) / "measure.jsonl", "a") as out:
+    out.write(json.dumps(row) + "\n")
+  shown = {k: v for k, v in row.items() if k not in ("device", "date")}
+  print("  " + json.dumps(shown), flush=True)
+
+
+def device_info() -> dict:
+  import jax
+
+  d = jax.devices()[0]
+  return {"device": d.device_kind, "platform": d.platform,
+          "compute_capability": str(getattr(d, "compute_capability", "") or ""),
+          "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__}
+
+
+def time_call(fn, args) -> float:
+  """Median seconds per call of a compiled `fn` (FLAGS.iters samples of FLAGS.inner back-to-back calls)."""
+  import jax
+  import numpy as np
+
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(FLAGS.iters):
+    start = time.perf_counter()
+    for _ in range(FLAGS.inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / FLAGS.inner)
+  return float(np.median(samples))
+
+
+def wanted(name: str) -> bool:
+  return not FLAGS.implementations or any(name.startswith(p) for p in FLAGS.implementations)
+
+
+def out_of_time(margin_s: float = 0.0) -> bool:
+  return time.time() + margin_s > FLAGS.deadline
+
+
+def error_note(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return f"error: {type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+# Grouped GEMM -------------------------------------------------------------------------------------------------
+
+
+def group_sizes(experts: int, rows: int, uneven: bool, seed: int = 0):
+  """Balanced (rows / experts each) or uneven: group 0 empty, group 1 one row, the rest skewed."""
+  import numpy as np
+
+  if not uneven:
+    sizes = np.full(experts, rows // experts, np.int64)
+    sizes[: rows % experts] += 1
+    return sizes
+  rng = np.random.default_rng(seed)
+  sizes = np.zeros(experts, np.int64)
+  if experts >= 3:
+    sizes[1] = 1
+    sizes[2:] = rng.multinomial(rows - 1, rng.dirichlet(np.full(experts - 2, 0.5)))
+  else:
+    sizes[-1] = rows
+  return sizes
+
+
+def padded_reference(form: str, a, b, sizes):
+  """The form's result in float32 (HIGHEST precision) from each group's rows gathered into a padded dense
+  batch [G, R, .]: independent of every ragged kernel."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  g, widest = len(sizes), max(int(sizes.max()), 1)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  index = starts[:, None] + np.arange(widest)[None, :]
+  valid = np.arange(widest)[None, :] < sizes[:, None]
+  index = np.where(valid, index, 0)
+  hi = jax.lax.Precision.HIGHEST
+
+  @jax.jit
+  def run(a, b):
+    gather = lambda t: jnp.where(jnp.asarray(valid)[..., None], t.astype(jnp.float32)[jnp.asarray(index)], 0.0)
+    if form == "weight_gradient":
+      return jnp.einsum("grk,grn->gkn", gather(a), gather(b), precision=hi)
+    w = b.astype(jnp.float32)
+    out = jnp.einsum("grk,gkn->grn" if form == "forward" else "grn,gkn->grk", gather(a), w, precision=hi)
+    filled = out.reshape(g * widest, -1)[jnp.asarray(np.flatnonzero(valid))]  # group by group, in row order
+    return jnp.zeros((a.shape[0], out.shape[-1]), jnp.float32).at[jnp.asarray(index[valid])].set(filled)
+  return run(a, b)
+
+
+def per_group_error(form: str, out, ref, sizes) -> tuple[float, str]:
+  """(worst relative Frobenius error over non-empty groups, what failed or "")."""
+  import numpy as np
+
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  if not np.all(np.isfinite(out)):
+    return math.inf, "non-finite values"
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  worst = 0.0
+  for gi, size in enumerate(sizes):
+    o, r = (out[gi], ref[gi]) if form == "weight_gradient" else (out[starts[gi]:starts[gi + 1]],
+                                                                   ref[starts[gi]:starts[gi + 1]])
+    if size == 0:
+      if form == "weight_gradient" and np.any(o != 0):
+        return math.inf, f"group {gi} has no rows but a non-zero weight gradient"
+      continue
+    worst = max(worst, float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30)))
+  return worst, ""
+
+
+def gemm_part(info: dict) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from meshmoe.sharding.grouped_gemm_kernels import Candidate
+
+  shapes = DRY_RUN_SHAPES if FLAGS.dry_run else {name: SHAPES[name] for name in FLAGS.shapes}
+  for config, shape in shapes.items():
+    m, k, n, e = shape.rows, shape.k, shape.n, shape.experts
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+    operands = {"forward": (x, w), "input_gradient": (dy, w), "weight_gradient": (x, dy)}
+    uneven, balanced = group_sizes(e, m, True), group_sizes(e, m, False)
+    for form, candidates in CANDIDATES.items():
+      a, b = operands[form]
+      reference = None
+      for implementation, tiles in candidates:
+        if FLAGS.dry_run and implementation != "xla":  # the others need a GPU
+          continue
+        candidate = Candidate(implementation, form, tiles)
+        if not wanted(candidate.name):
+          continue
+        row = info | {"part": "gemm", "config": config, "form": form, "candidate": candidate.name,
+                      "implementation": implementation, "tiles": dict(tiles), "m": m, "k": k, "n": n, "experts": e,
+                      "flops": 2.0 * m * k * n}
+        if implementation == "xla" and row["flops"] * e > XLA_DENSE_MAX_FLOPS:
+          emit(row | {"note": f"not run: XLA's ragged_dot is dense over all {e} groups"})
+          continue
+        if out_of_time(margin_s=15):
+          emit(row | {"note": "not run: out of time"})
+          continue
+        try:
+          if reference is None:
+            reference = padded_reference(form, a, b, uneven)
+          compiled = jax.jit(candidate.fn()).lower(a, b, jnp.asarray(uneven, jnp.int32)).compile(
+              candidate.compiler_options or None)
+          err, why = per_group_error(form, compiled(a, b, jnp.asarray(uneven, jnp.int32)), reference, uneven)
+          row |= {"error": err, "correct": bool(not why and err <= GEMM_TOLERANCE), "why": why}
+          seconds = time_call(compiled, (a, b, jnp.asarray(balanced, jnp.int32)))
+          row |= {"seconds": seconds, "tflops": row["flops"] / seconds / 1e12}
+        except Exception as e_:  # noqa: BLE001: one candidate's failure is its row, not the end of the part
+          row["note"] = error_note(e_)
+          traceback.print_exc(file=sys.stderr)
+        emit(row)
+    if not FLAGS.dry_run and wanted("dense_batched") and not out_of_time(15):
+      # The ceiling: the same FLOPs as one batched dense GEMM (cuBLAS), no raggedness.
+      row = info | {"part": "gemm", "config": config, "form": "forward", "candidate": "dense_batched (ceiling)",
+                    "implementation": "dense_batched", "m": m, "k": k, "n": n, "experts": e, "flops": 2.0 * m * k * n}
+      try:
+        fn = jax.jit(lambda x, w: jnp.einsum("egk,ekn->egn", x.reshape(e, m // e, k), w).reshape(m, n))
+        seconds = time_call(fn, (x, w))
+        row |= {"seconds": seconds, "tflops": row["flops"] / seconds / 1e12}
+      except Exception as e_:  # noqa: BLE001
+        row["note"] = error_note(e_)
+      emit(row)
+    del x, w, dy, operands
+
+
+# Attention ----------------------------------------------------------------------------------------------------
+
+ATTENTION_SHAPES = {  # (batch, seq, query heads, kv heads, head dim)
+    "moe_1b": (4, 2048, 16, 4, 64),
+    "qwen3_30b_a3b": (2, 4096, 32, 4, 128),
+    "mixtral_8x7b": (2, 4096, 32, 8, 128),
+}
+
+
+def attention_part(info: dict) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from meshmoe.sharding import attention_kernels
+  from meshmoe.sharding import context_parallel as cp
+
+  shapes = {"tiny": (1, 64, 4, 2, 16)} if FLAGS.dry_run else {c: ATTENTION_SHAPES[c] for c in FLAGS.shapes
+                                                              if c in ATTENTION_SHAPES}
+  impls = {"tokamax_mosaic": lambda q, k, v: attention_kernels.causal(q, k, v, "mosaic"),
+           "tokamax_triton": lambda q, k, v: attention_kernels.causal(q, k, v, "triton"),
+           "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+           "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")}
+  if FLAGS.dry_run:
+    impls = {"tokamax_xla": lambda q, k, v: attention_kernels.causal(q, k, v, "xla"), "xla": impls["xla"]}
+  for config, (bsz, s, nh, g, h) in shapes.items():
+    keys = jax.random.split(jax.random.key(2), 4)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+                   for key, shape in zip(keys, ((bsz, s, nh, h), (bsz, s, g, h), (bsz, s, g, h), (bsz, s, nh, h))))
+    pos = jnp.broadcast_to(jnp.arange(s), (bsz, s))
+    f32 = lambda t: t.astype(jnp.float32)
+
+    def reference(q, k, v, ct):
+      with jax.default_matmul_precision("highest"):
+        out, pullback = jax.vjp(lambda q, k, v: cp.causal_attention(q, k, v, pos, pos), f32(q), f32(k), f32(v))
+        return (out, *pullback(f32(ct)))
+    ref = jax.jit(reference)(q, k, v, ct)
+    flops = 4.0 * bsz * nh * h * s * (s + 1) / 2
+    for name, fn in impls.items():
+      if not wanted(name):
+        continue
+      row = info | {"part": "attention", "config": config, "candidate": name, "implementation": name,
+                    "shape": [bsz, s, nh, g, h], "flops_forward": flops}
+      if out_of_time(margin_s=10):
+        emit(row | {"note": "not run: out of time"})
+        continue
+      try:
+        def fwd_bwd(q, k, v, ct, fn=fn):
+          out, pullback = jax.vjp(fn, q, k, v)
+          return (out, *pullback(ct))
+        fwd_bwd = jax.jit(fwd_bwd)
+        got = fwd_bwd(q, k, v, ct)
+        errors = {label: float(np.linalg.norm(np.asarray(o, np.float64) - np.asarray(r, np.float64))
+                               / max(np.linalg.norm(np.asarray(r, np.float64)), 1e-30))
+                  for label, o, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+        finite = all(bool(jnp.all(jnp.isfinite(o))) for o in got)
+        row |= {"errors": errors, "correct": finite and max(errors.values()) <= ATTENTION_TOLERANCE}
+        forward = jax.jit(fn)
+        row["seconds_forward"] = time_call(forward, (q, k, v))
+        row["seconds_forward_backward"] = time_call(fwd_bwd, (q, k, v, ct))
+        row["tflops_forward"] = flops / row["seconds_forward"] / 1e12
+        row["tflops_forward_backward"] = 3 * flops / row["seconds_forward_backward"] / 1e12  # backward = 2 fwd
+      except Exception as e_:  # noqa: BLE001
+        row["note"] = error_note(e_)
+        traceback.print_exc(file=sys.stderr)
+      emit(row)
+
+
+# Training -----------------------------------------------------------------------------------------------------
+
+
+def train_runs() -> dict[str, list[str]]:
+  """Training runs: name -> experiments.train flags (beyond --workdir)."""
+  one_device = ["--config.mesh.data=1", "--config.mesh.expert=1", "--config.mesh.tensor=1",
+                "--config.mesh.sequence=1", f"--config.train.steps={FLAGS.train_steps}", "--config.train.log_every=5",
+                "--config.train.eval_every=0", "--config.train.eval_batches=1", "--config.checkpoint.every_steps=0",
+                "--config.sample.max_new_tokens=0"]
+  if FLAGS.dry_run:
+    return {"tiny_moe": ["--config=experiments/configs/tiny_moe.py", *one_device]}
+  return {
+      # 4 micro-batches of 16 x 2048 tokens (32K tokens, 131K top-4 rows per GEMM), 131K tokens per step.
+      "moe_1b": ["--config=experiments/configs/moe_1b.py", *one_device, "--config.train.global_batch_size=64",
+                 "--config.train.grad_accum_steps=4"],
+      # Qwen3-30B-A3B's widths on one GPU: PROXY_LAYERS layers, 4 sequences of 4096 per micro-batch.
+      "qwen3_30b_a3b_proxy": ["--config=experiments/configs/qwen3_30b_a3b.py", *one_device,
+                              f"--config.model.num_layers={PROXY_LAYERS}", "--config.parallel.impl=xla",
+                              "--config.train.global_batch_size=8", "--config.train.grad_accum_steps=2"],
+  }
+
+
+def train_part(info: dict) -> None:
+  import statistics
+
+  runs = train_runs()
+  for name, run_flags in runs.items():
+    if not wanted(name):
+      continue
+    row = info | {"part": "train", "run": name, "flags": run_flags}
+    remaining = FLAGS.deadline - time.time()
+    if remaining < 60 and not FLAGS.dry_run:
+      emit(row | {"note": "not run: out of time"})
+      continue
+    workdir = pathlib.Path(FLAGS.train_root) / name
+    subprocess.run(["rm", "-rf", str(workdir)], check=False)  # a fresh run, not a resumed one
+    command = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *run_flags]
+    # Later runs get what is left; the first may not take all of it.
+    share = remaining if name == list(runs)[-1] else remaining * 0.55
+    started = time.time()
+    try:
+      done = subprocess.run(command, timeout=share, capture_output=True, text=True)
+      row["returncode"] = done.returncode
+      tail = (done.stdout + done.stderr).strip().splitlines()[-8:]
+    except subprocess.TimeoutExpired as e_:
+      row["note"] = f"stopped after {share:.0f} s"
+      tail = ((e_.stdout or b"").decode(errors="replace") + (e_.stderr or b"").decode(errors="replace")
+              ).strip().splitlines()[-8:]
+    row["wall_s"] = time.time() - started
+    metrics = workdir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    train = [r for r in records if r.get("kind") == "train" and isinstance(r.get("tokens_per_s"), (int, float))]
+    timed = train[1:]  # the first logged interval includes compilation
+    if timed:
+      row |= {"logged_intervals": len(timed), "steps": [timed[0]["step"], timed[-1]["step"]],
+              "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+              "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+              "loss": [train[0]["loss"], train[-1]["loss"]]}
+      mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), (int, float))]
+      if mfus:
+        row["mfu"] = statistics.median(mfus)
+    else:
+      row["output_tail"] = tail
+    plan = workdir / "plan.json"
+    if plan.exists():
+      row["plan_moe"] = json.loads(plan.read_text()).get("ops", {}).get("moe")
+    emit(row)
+    checkpoints = workdir / "checkpoints"
+    if checkpoints.exists():
+      subprocess.run(["rm", "-rf", str(checkpoints)], check=False)
+
+
+# Report -------------------------------------------------------------------------------------------------------
+
+
+def report(rows: list[dict]) -> str:
+  """Markdown tables of the rows (measure.md)."""
+  lines = []
+  head = next((r for r in rows if "device" in r), {})
+  lines.append(f"# meshmoe GPU measurement: {head.get('device', '?')}, {head.get('date', '?')}, "
+               f"jax {head.get('jax', '?')} (measured)\n")
+  gemm = [r for r in rows if r.get("part") == "gemm"]
+  if gemm:
+    lines += ["## Grouped GEMM (gate+up shape; TFLOP/s on balanced routing; error on uneven routing)\n",
+              "| config | form | candidate | TFLOP/s | error | correct | note |", "|---|---|---|---|---|---|---|"]
+    for r in gemm:
+      tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
+      err = f"{r['error']:.1e}" if isinstance(r.get("error"), float) and math.isfinite(r["error"]) else (
+          "inf" if "error" in r else "-")
+      lines.append(f"| {r['config']} (M={r['m']} K={r['k']} N={r['n']} E={r['experts']}) | {r['form']} | "
+                   f"{r['candidate']} | {tf} | {err} | {r.get('correct', '-')} | {r.get('why') or r.get('note', '')} |")
+  attention = [r for r in rows if r.get("part") == "attention"]
+  if attention:
+    lines += ["\n## Causal attention (forward; forward + backward)\n",
+              "| config | candidate | fwd TFLOP/s | fwd+bwd TFLOP/s | worst error | correct | note |",
+              "|---|---|---|---|---|---|---|"]
+    for r in attention:
+      f = lambda key: f"{r[key]:.1f}" if key in r else "-"
+      worst = f"{max(r['errors'].values()):.1e}" if "errors" in r else "-"
+      lines.append(f"| {r['config']} {r['shape']} | {r['candidate']} | {f('tflops_forward')} | "
+                   f"{f('tflops_forward_backward')} | {worst} | {r.get('correct', '-')} | {r.get('note', '')} |")
+  train = [r for r in rows if r.get("part") == "train"]
+  if train:
+    lines += ["\n## Training on one device\n", "| run | tokens/s | step s | MFU | loss | note |",
+              "|---|---|---|---|---|---|"]
+    for r in train:
+      mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+      tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"
+      step = f"{r['step_time_s']:.3f}" if "step_time_s" in r else "-"
+      loss = " -> ".join(f"{v:.3f}" for v in r.get("loss", []))
+      lines.append(f"| {r['run']} | {tps} | {step} | {mfu} | {loss} | {r.get('note', '')} |")
+  return "\n".join(lines) + "\n"
+
+
+def read_rows() -> list[dict]:
+  path = pathlib.Path(FLAGS.out) / "measure.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def drive() -> int:
+  """Runs each part in its own process within its share of the budget; writes measure.md after each."""
+  out = pathlib.Path(FLAGS.out)
+  start = time.time()
+  end = start + FLAGS.budget_s
+  parts = [p for p in FLAGS.parts]
+  weights = sum(_SHARES[p] for p in parts)
+  failed = []
+  for i, part in enumerate(parts):
+    now = time.time()
+    share = (end - now) * _SHARES[part] / sum(_SHARES[p] for p in parts[i:]) if i < len(parts) - 1 else end - now
+    print(f"\n===== {part} ({time.strftime('%H:%M:%S')}, {share:.0f} s of {end - now:.0f} s left) =====",
+          flush=True)
+    argv = [sys.executable, "-m", "experiments.benchmarks.gpu_measure", f"--part={part}",
+            f"--deadline={now + share}"] + [a for a in sys.argv[1:] if not a.startswith(("--part=", "--deadline="))]
+    try:
+      code = subprocess.run(argv, timeout=share + 20).returncode
+    except subprocess.TimeoutExpired:
+      code = "timeout"
+    if code != 0:
+      failed.append(f"{part} ({code})")
+    (out / "measure.md").write_text(report(read_rows()))
+  del weights
+  rows = read_rows()
+  print("\n" + report(rows))
+  wrong = [r for r in rows if r.get("correct") is False]
+  print(f"{len(rows)} rows in {out / 'measure.jsonl'}; {len(wrong)} incorrect; "
+        f"{time.time() - start:.0f} s" + (f"; parts that failed: {', '.join(failed)}" if failed else ""))
+  return 1 if failed else 0
+
+
+def main(argv):
+  del argv
+  unknown = (set(FLAGS.parts) - set(PARTS)) | (set(FLAGS.shapes) - set(SHAPES))
+  if unknown:
+    sys.exit(f"error: unknown --parts/--shapes {', '.join(sorted(unknown))}; parts: {', '.join(PARTS)}; "
+             f"shapes: {', '.join(SHAPES)}")
+  pathlib.Path(FLAGS.out).mkdir(parents=True, exist_ok=True)
+  if FLAGS.part is None:
+    sys.exit(drive())
+  if FLAGS.dry_run:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if FLAGS.part == "train":
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process only reads the device's name
+  import jax
+
+  info = device_info()
+  if not FLAGS.dry_run and info["platform"] != "gpu":
+    sys.exit(f"error: JAX's first device is {info['platform']}, not a GPU; --dry_run checks the script on CPU")
+  print(f"{FLAGS.part}: {info}", flush=True)
+  {"gemm": gemm_part, "attention": attention_part, "train": train_part}[FLAGS.part](info)
+  del jax
+
+
+if __name__ == "__main__":
+  app.run(main)
