@@ -8,13 +8,14 @@ convention lets capacity mode reuse the dropless path (dropped assignments are s
 sent), and lets expert parallelism pad its receive buffers.
 
 The grouped GEMM (`gemm`, the plan's `grouped_gemm`) is one of:
-- `tokamax`: rows sorted by expert, tokamax's grouped GEMM (`tokamax.ragged_dot`): on GPUs its Mosaic GPU
-  kernels (sm80, sm90, sm100; bf16/fp16 operands), which compute only the tiles holding rows of some
-  expert: the routed rows plus at most one partial tile of padding per expert, however large the
-  worst-case buffer. Gate and up are one GEMM against the experts' [D, 2F] weights (x is read once).
-  The kernels write nothing for rows outside every group and the backward computes garbage for them,
-  so those rows are zeroed on the way in, between the GEMMs and on the way out (a `where`, which also
-  zeroes their cotangents). Elsewhere tokamax runs its XLA version (dense; for tests only).
+- `kernels`: rows sorted by expert, the GPU grouped-GEMM kernels the plan chose from measurements for each
+  form (forward, input gradient, weight gradient: sharding/ragged_gemm.py, gpu_kernel_table.py; bf16/fp16
+  operands), which compute only the tiles holding rows of some expert: the routed rows plus at most one
+  partial tile of padding per expert, however large the worst-case buffer. Gate and up are one GEMM
+  against the experts' [D, 2F] weights (x is read once). The kernels write nothing for rows outside every
+  group and the backward computes garbage for them, so those rows are zeroed on the way in, between the
+  GEMMs and on the way out (a `where`, which also zeroes their cotangents). Off GPUs the same path runs
+  XLA's ragged dot for each form (dense; to check the path).
 - `ragged_dot`: rows sorted by expert, one `jax.lax.ragged_dot` per matrix. XLA lowers it densely over
   every group (E x the useful FLOPs) on CPU and GPU: for platforms without a better kernel.
 - `blocked`: rows sorted by expert; each expert's first C rows (its share of the routed rows) in one
@@ -32,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import backend
 
-from meshmoe.sharding import blocked_gemm, tokamax_gemm
+from meshmoe.sharding import blocked_gemm, ragged_gemm
+from meshmoe.sharding.grouped_gemm_kernels import GemmKernels
 
 
 @dataclasses.dataclass
@@ -61,25 +63,24 @@ def swiglu_hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def grouped_ffn(x_RD: jax.Array, expert_R: jax.Array, w: ExpertWeights, activation: Activation, gemm: str,
-                block_rows: int = 0, kernels: tokamax_gemm.Kernels | None = None,
+                block_rows: int = 0, kernels: GemmKernels | None = None,
                 routed_rows: int = 0) -> jax.Array:
   """y_RD[r] = the FFN of expert `expert_R[r]` applied to x_RD[r]; zero where expert_R[r] == E. `gemm` is
-  the grouped GEMM, "tokamax", "ragged_dot" or "blocked" (module docstring); `kernels` tokamax's
-  implementations (the plan's; default: its XLA version)."""
+  the grouped GEMM, "kernels", "ragged_dot" or "blocked" (module docstring); `kernels` the three forms'
+  kernels for "kernels" (the plan's; default: XLA's ragged dot for each)."""
   num_experts = w.num_experts
   order_R = jnp.argsort(expert_R, stable=True)  # by expert; the E rows (zeros) last
   sorted_expert_R = expert_R[order_R]
   sizes_E = jnp.bincount(expert_R, length=num_experts)  # ids == E are not counted
   valid_R = (sorted_expert_R < num_experts)[:, None]
-  if gemm == "tokamax":
-    y_sorted = _tokamax_ffn(x_RD[order_R], sizes_E, valid_R, w, activation,
-                            kernels or tokamax_gemm.Kernels("xla", "xla"))
+  if gemm == "kernels":
+    y_sorted = _kernels_ffn(x_RD[order_R], sizes_E, valid_R, w, activation, kernels or GemmKernels.exact())
   elif gemm == "ragged_dot":
     y_sorted = jnp.where(valid_R, _ragged_ffn(x_RD[order_R], sizes_E, w, activation), 0)
   elif gemm == "blocked":  # the blocks and tiles gather their rows and scatter their outputs back
     return _blocked_ffn(x_RD, order_R, sizes_E, w, activation, block_rows, routed_rows)
   else:
-    raise ValueError(f"unknown grouped GEMM {gemm!r}; known: 'blocked', 'tokamax', 'ragged_dot'")
+    raise ValueError(f"unknown grouped GEMM {gemm!r}; known: 'blocked', 'kernels', 'ragged_dot'")
   return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted, unique_indices=True)
 
 
@@ -90,17 +91,17 @@ def _ragged_ffn(x_RD, sizes_E, w: ExpertWeights, activation: Activation) -> jax.
   return jax.lax.ragged_dot(activation(gate, up), w.down_EFD.astype(dtype), sizes_E)
 
 
-def _tokamax_ffn(x_RD, sizes_E, valid_R, w: ExpertWeights, activation: Activation,
-                 kernels: tokamax_gemm.Kernels) -> jax.Array:
+def _kernels_ffn(x_RD, sizes_E, valid_R, w: ExpertWeights, activation: Activation,
+                 kernels: GemmKernels) -> jax.Array:
   """The FFN of rows sorted by expert, rows past the groups (`valid_R` False) giving zeros (docstring)."""
   dtype = x_RD.dtype
-  if kernels.rows != "xla" and backend.get_default_device().platform != "gpu":
+  if kernels.forward.implementation.startswith("tokamax") and backend.get_default_device().platform != "gpu":
     # tokamax picks its kernel variant from the default device, which is this machine's CPU when compiling
     # for GPUs deviceless.
     raise RuntimeError("tokamax's GPU kernels are chosen for the default device, which is "
                        f"{backend.get_default_device()}: lower programs for GPUs you do not have inside "
                        "meshmoe.analysis.deviceless.targeting(mesh)")
-  gemm = lambda lhs, rhs: tokamax_gemm.ragged_matmul(lhs, rhs, sizes_E, kernels)
+  gemm = lambda lhs, rhs: ragged_gemm.ragged_matmul(lhs, rhs, sizes_E, kernels)
   # The kernels tile rows in groups (Kernels.row_multiple): pad to a whole number of them with rows of no group.
   num_rows, width = x_RD.shape[0], w.gate_EDF.shape[-1]
   padding = -num_rows % kernels.row_multiple
@@ -131,7 +132,7 @@ def combine(y_AD: jax.Array, weight_A: jax.Array, token_A: jax.Array, num_tokens
 
 
 def moe_local(x_BSD, experts_BSK, weights_BSK, w: ExpertWeights, activation: Activation, gemm: str,
-              block_rows: int = 0, kernels: tokamax_gemm.Kernels | None = None) -> jax.Array:
+              block_rows: int = 0, kernels: GemmKernels | None = None) -> jax.Array:
   """sum_k weight_k * FFN_{expert_k}(token) for tokens and experts on one device."""
   b, s, d = x_BSD.shape
   k = experts_BSK.shape[-1]

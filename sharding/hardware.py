@@ -1,6 +1,6 @@
 """What the devices can run: the plan's view of the hardware (`Hardware`) and the kernel choices that depend
-only on it and on operand shapes: the unfused MoE paths' grouped GEMM (and tokamax's kernels for it) and
-attention's block kernel. `ParallelPlan` (plan.py) makes these choices per op; they live here so that the
+only on it and on operand shapes: the unfused MoE paths' grouped GEMM (and the measured kernels of its
+forms: gpu_kernel_table.py) and attention's block kernel. `ParallelPlan` (plan.py) makes these choices per op; they live here so that the
 plan's module stays about the mesh and the ops.
 """
 
@@ -11,8 +11,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from meshmoe.pallas_kernels.grouped_weight_gradient import api as grouped_weight_gradient
-from meshmoe.sharding import tokamax_gemm
+from meshmoe.config import gemm_kernel_overrides
+from meshmoe.sharding import gpu_kernel_table
+from meshmoe.sharding.grouped_gemm_kernels import GemmKernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,37 +40,26 @@ class Hardware:
 
 def grouped_gemm(requested: str, hardware: Hardware) -> str:
   """The grouped GEMM of the unfused MoE paths: `parallel.grouped_gemm`, with "auto" resolved by platform:
-  CPUs get the blocked layout (XLA:CPU computes ragged_dot densely over every group), GPUs tokamax's
-  kernels (the blocked layout where those cannot run: `grouped_gemm_for`), TPUs XLA's ragged_dot."""
+  CPUs get the blocked layout (XLA:CPU computes ragged_dot densely over every group), GPUs the measured
+  kernels (the blocked layout where none can run: `grouped_gemm_for`), TPUs XLA's ragged_dot."""
   if requested != "auto":
     return requested
-  return {"cpu": "blocked", "gpu": "tokamax"}.get(hardware.platform, "ragged_dot")
+  return {"cpu": "blocked", "gpu": "kernels"}.get(hardware.platform, "ragged_dot")
 
 
-# Operand dtypes tokamax's GPU grouped GEMM kernels take.
-TOKAMAX_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def grouped_gemm_for(gemm: str, hardware: Hardware, dtype, d: int,
-                     f: int) -> tuple[str, tokamax_gemm.Kernels | None, str]:
+def grouped_gemm_for(gemm: str, hardware: Hardware, dtype, d: int, f: int, overrides: str = "",
+                     kernel_table: str = "") -> tuple[str, GemmKernels | None, str]:
   """(the grouped GEMM that runs for operands of `dtype`, tokens of width d and experts of width f, the
-  tokamax kernels it calls, why it is not `gemm`, or "")."""
-  if gemm != "tokamax":
+  kernels of its three forms for "kernels", why it is not `gemm`, or ""). `overrides`/`kernel_table`:
+  `parallel.gemm_kernels` and `parallel.kernel_table` (GPUs only)."""
+  if gemm != "kernels":
     return gemm, None, ""
-  kernels, why_not = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability, hardware.num_sms)
-  dtype = jnp.dtype(dtype)
-  if kernels and hardware.platform == "gpu":
-    if dtype not in TOKAMAX_DTYPES:
-      kernels, why_not = None, f"tokamax's grouped GEMM takes bfloat16/float16, not {dtype.name}"
-    elif d * dtype.itemsize % 16 or f * dtype.itemsize % 16:  # TMA copies rows of whole 16-byte units
-      kernels, why_not = None, (f"tokamax's grouped GEMM needs rows of whole 16-byte units: widths {d} and {f} "
-                                f"in {dtype.name} are not")
-    elif kernels.contraction == tokamax_gemm.MESHMOE and (why := (
-        grouped_weight_gradient.unsupported(d, 2 * f, dtype) or grouped_weight_gradient.unsupported(f, d, dtype))):
-      # Gate and up side by side, then down. tokamax's own Hopper weight gradient is wrong (tokamax_gemm.py).
-      kernels, why_not = None, f"on Hopper the weight gradients run meshmoe's kernel, which cannot take them: {why}"
+  if hardware.platform != "gpu":
+    return gemm, GemmKernels.exact("off GPUs: XLA's ragged dot (exact; checks the kernels' path)"), ""
+  kernels, why_not = gpu_kernel_table.choose(hardware.compute_capability, dtype, d, f, hardware.num_sms,
+                                             kernel_table, gemm_kernel_overrides(overrides))
   if kernels is None:
-    return "blocked", None, why_not + ": the blocked GEMM runs"
+    return "blocked", None, f"{why_not}: the blocked GEMM runs (exact, slower)"
   return gemm, kernels, ""
 
 

@@ -58,8 +58,9 @@ from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import attention_kernels, exchange_formats, gradient_sync, parallel, rules, tokamax_gemm
+from meshmoe.sharding import attention_kernels, exchange_formats, gradient_sync, parallel, rules
 from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
+from meshmoe.sharding.grouped_gemm_kernels import GemmKernels
 from meshmoe.sharding.hardware import Hardware, attention_kernel, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.parallel import Axes
 from meshmoe.sharding.projection_blocks import attention_width, projection_blocks
@@ -118,8 +119,8 @@ class ExpertChoice(OpChoice):
   """The routed experts' choice: besides OpChoice, how their unfused paths exchange and multiply."""
 
   exchange: str = ""  # "ragged_all_to_all" (GPU) or "padded_all_to_all" (XLA:CPU has no ragged one)
-  grouped_gemm: str = ""  # "tokamax", "ragged_dot" or "blocked" (sharding/grouped_ffn.py)
-  gemm_kernels: tokamax_gemm.Kernels | None = None  # tokamax's implementations, for "tokamax"
+  grouped_gemm: str = ""  # "kernels", "ragged_dot" or "blocked" (sharding/grouped_ffn.py)
+  gemm_kernels: GemmKernels | None = None  # the three forms' kernels, for "kernels"
   block_rows: int = 0  # rows per overflow tile of the blocked GEMM; 0: blocked_gemm.DEFAULT_TILE_ROWS
   chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
   # Wire formats (config.EXCHANGE_FORMATS) of the dispatch and of the combine's return exchange, each as
@@ -352,10 +353,9 @@ class ParallelPlan:
 
   def expert_ffn(self, ep: int, d: int, f: int, dtype) -> ExpertChoice:
     """How the routed experts run for tokens of width d, an expert width of f per device, over ep devices."""
-    gemm_name, kernels, gemm_fallback = grouped_gemm_for(self.grouped_gemm, self.hardware, dtype, d, f)
+    gemm_name, kernels, gemm_fallback = grouped_gemm_for(self.grouped_gemm, self.hardware, dtype, d, f,
+                                                         self.parallel.gemm_kernels, self.parallel.kernel_table)
     gemm = dict(grouped_gemm=gemm_name, block_rows=self.gemm_block_rows, gemm_kernels=kernels)
-    if kernels:
-      gemm_name += f" ({kernels.describe()})"
     if ep == 1:
       unused = [f"parallel.{name}={getattr(self.parallel, name)!r}" for name in EXCHANGE_FORMAT_FIELDS
                 if getattr(self.parallel, name) != "auto"]
@@ -463,6 +463,9 @@ class ParallelPlan:
     for name, choice in self.ops.items():
       lines.append(f"  {name:{names}s}  {chosen[name]:{implementations}s}  {choice.detail}".rstrip())
     for name, choice in self.ops.items():
+      for form, candidate, source in _kernel_sources(choice):
+        lines.append(f"  {name} {form}: {candidate.name}" + (f" ({source})" if source else ""))
+    for name, choice in self.ops.items():
       if choice.fallback:
         lines.append(f"  {name}: not the {self.parallel.impl} tier's first choice: {choice.fallback}")
     return "\n".join(lines)
@@ -493,6 +496,15 @@ def _describe_tiles(tiles: mosaic_tiles.Tiles, backend: str, sender: bool = Fals
     return ""
   senders = "; the dispatch's puts from a sender warpgroup" if sender else ""
   return f"; warp-specialised {tiles.block_m} x {tiles.block_n} tiles ({tiles.consumers} consumer warpgroups{senders})"
+
+
+def _kernel_sources(choice: OpChoice):
+  """(form, candidate, where its choice came from) of an op's grouped-GEMM kernels, if it has any."""
+  kernels = getattr(choice, "gemm_kernels", None)
+  if kernels is None:
+    return []
+  return [(form, candidate, source) for form, candidate, source in
+          zip(("forward", "input gradient", "weight gradient"), kernels.candidates(), kernels.sources)]
 
 
 def _describe_axes(plan: ParallelPlan, axes: Axes) -> str:

@@ -29,7 +29,10 @@ XLA_FLAG_PRESETS = ("none", "overlap", "overlap_double_buffered", "overlap_windo
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
 ATTENTION_TYPES = ("gqa", "mla")
-GROUPED_GEMMS = ("auto", "blocked", "tokamax", "ragged_dot")
+GROUPED_GEMMS = ("auto", "blocked", "kernels", "ragged_dot")
+# The grouped GEMM's forms and the GPU implementations of each (sharding/grouped_gemm_kernels.py).
+GEMM_FORMS = ("forward", "input_gradient", "weight_gradient")
+GEMM_IMPLEMENTATIONS = ("tokamax_mosaic", "tokamax_triton", "jax_mgpu", "xla", "xla_cudnn", "meshmoe_mosaic")
 # Wire formats of the MoE token exchanges (sharding/exchange_formats.py).
 EXCHANGE_FORMATS = ("auto", "bfloat16", "float8_e4m3fn")
 EXCHANGE_FORMAT_FIELDS = ("moe_dispatch_dtype", "moe_combine_dtype", "moe_exchange_grad_dtype")  # of `parallel`
@@ -185,9 +188,17 @@ class ParallelConfig:
   # chunks, so one chunk's all-to-alls overlap another chunk's GEMM. 1 turns the pipeline off.
   moe_chunks: int = 2
   # The routed experts' grouped GEMM where no fused kernel runs (sharding/grouped_ffn.py): "auto" picks per
-  # platform: "blocked" on CPU, "tokamax" (tokamax's Mosaic GPU grouped GEMM, bf16/fp16) on GPUs of compute
-  # capability 8.0 to 10.x, "ragged_dot" (XLA's own; dense over every expert on CPU and GPU) elsewhere.
+  # platform: "blocked" on CPU, "kernels" on GPUs, "ragged_dot" (XLA's own; dense over every expert) elsewhere.
+  # "kernels": for each form (forward, input gradient, weight gradient) the GPU kernel that measurements
+  # chose for the GPU, dtype and widths (sharding/gpu_kernel_table.py; off GPUs XLA's ragged dot, to check
+  # the path); on GPUs without kernels, or for float32 operands, the blocked GEMM, as the plan says.
   grouped_gemm: str = "auto"
+  # "kernels" on GPUs: your choice for some forms over the measured one, "form=implementation,..." (e.g.
+  # "weight_gradient=meshmoe_mosaic"; GEMM_FORMS, GEMM_IMPLEMENTATIONS).
+  gemm_kernels: str = ""
+  # "kernels" on GPUs: a measure.jsonl of experiments/benchmarks/gpu_measure.py run at your own shapes (the
+  # opt-in tuning; nothing autotunes by default), read before the packaged table.
+  kernel_table: str = ""
   gemm_block_rows: int = 0  # rows per overflow tile of the "blocked" GEMM; 0: its default (16)
   # How the expert-parallel token exchanges travel (sharding/exchange_formats.py): "auto" in the activation
   # dtype, "bfloat16", or "float8_e4m3fn" (float8 with a float32 scale per 128 channels, DeepEP's format;
@@ -236,6 +247,10 @@ class ParallelConfig:
     _check_choice("parallel.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
     _check_positive_int("parallel.moe_chunks", self.moe_chunks)
     _check_choice("parallel.grouped_gemm", self.grouped_gemm, GROUPED_GEMMS)
+    gemm_kernel_overrides(self.gemm_kernels)
+    if not isinstance(self.kernel_table, str):
+      raise ConfigError("parallel.kernel_table", self.kernel_table,
+                        "a path to a measure.jsonl of experiments/benchmarks/gpu_measure.py, or '' (none)")
     _check_int("parallel.gemm_block_rows", self.gemm_block_rows, 0,
                "0 (chosen from the shapes) or a positive number of rows")
     for name in EXCHANGE_FORMAT_FIELDS:
@@ -309,7 +324,7 @@ class DataConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class CheckpointConfig:
-  every_steps: int = 100  # 0: only at the end
+  every_steps: int = 100  # 0: only at the end; -1: never (benchmark runs: a stopped run loses its steps)
   keep: int = 3  # newest checkpoints kept on disk
   async_save: bool = True
 
@@ -624,7 +639,8 @@ def mixture_entries(paths: str) -> list[tuple[str, str, float]]:
 
 
 def _validate_checkpoint_and_sample(c: CheckpointConfig, s: SampleConfig) -> None:
-  _check_int("checkpoint.every_steps", c.every_steps, 0, "an integer >= 0 (0: save only at the end)")
+  _check_int("checkpoint.every_steps", c.every_steps, -1,
+             "an integer >= -1 (0: save only at the end; -1: never, for benchmark runs)")
   _check_positive_int("checkpoint.keep", c.keep)
   _check_bool("checkpoint.async_save", c.async_save)
   if not isinstance(s.prompt, str) or not s.prompt:
@@ -674,6 +690,21 @@ def _check_positive_int(field: str, value: Any) -> None:
 def _check_positive_float(field: str, value: Any, allowed: str = "a finite number > 0") -> None:
   if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or math.isinf(value):
     raise ConfigError(field, value, allowed)
+
+
+def gemm_kernel_overrides(text: str) -> dict[str, str]:
+  """`parallel.gemm_kernels` ("form=implementation,...") as {form: implementation}; ConfigError if malformed."""
+  allowed = (f"comma-separated form=implementation, each form once; forms: {', '.join(GEMM_FORMS)}; "
+             f"implementations: {', '.join(GEMM_IMPLEMENTATIONS)}")
+  if not isinstance(text, str):
+    raise ConfigError("parallel.gemm_kernels", text, allowed)
+  overrides = {}
+  for item in filter(None, (part.strip() for part in text.split(","))):
+    form, _, implementation = item.partition("=")
+    if form not in GEMM_FORMS or implementation not in GEMM_IMPLEMENTATIONS or form in overrides:
+      raise ConfigError("parallel.gemm_kernels", text, allowed)
+    overrides[form] = implementation
+  return overrides
 
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -145,7 +145,7 @@ def test_non_negative_loss_weights(field, value):
     ("model.dtype", "Float32", "one of 'float32', 'bfloat16'"),  # case-sensitive
     ("model.dtype", None, "one of 'float32', 'bfloat16'"),
     ("model.moe.score_fn", "tanh", "one of 'softmax', 'sigmoid'"),
-    ("parallel.grouped_gemm", "dense", "one of 'auto', 'blocked', 'tokamax', 'ragged_dot'"),
+    ("parallel.grouped_gemm", "dense", "one of 'auto', 'blocked', 'kernels', 'ragged_dot'"),
     ("mesh.preset", "pp", ALL_PRESETS),
     ("mesh.preset", "", ALL_PRESETS),
     ("mesh.weight_storage", "zero3", "one of 'preset', 'data', 'all'"),

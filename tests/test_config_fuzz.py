@@ -68,7 +68,7 @@ POSITIVE_INTS = ["model.kv_lora_rank", "model.qk_nope_head_dim", "model.v_head_d
                  "checkpoint.keep", "parallel.moe_chunks", "resilience.max_consecutive_skips"]
 NON_NEGATIVE_INTS = ["data.loader_threads", "model.q_lora_rank", "model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
                      "optimizer.warmup_steps",
-                     "train.eval_every", "checkpoint.every_steps", "sample.max_new_tokens",
+                     "train.eval_every", "sample.max_new_tokens",
                      "resilience.straggler_every_steps"]
 POSITIVE_FLOATS = ["model.yarn_beta_fast", "model.yarn_beta_slow", "model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
                    "optimizer.learning_rate", "optimizer.eps", "resilience.watchdog_timeout_s"]
@@ -99,6 +99,10 @@ BAD: dict[str, st.SearchStrategy] = {
     **{f: choice_bad(c) for f, c in CHOICES.items()},
     **{f: bool_bad() for f in BOOLS},
     **{f"mesh.{axis}": st.integers(max_value=-2) | st.just(0) | not_an_int for axis in config_lib.MESH_AXES},
+    "checkpoint.every_steps": st.integers(max_value=-2) | not_an_int,  # -1: never save
+    "parallel.gemm_kernels": not_a_string | st.sampled_from(
+        ["backward=jax_mgpu", "forward=cublas", "forward", "forward=xla,forward=jax_mgpu", "=xla"]),
+    "parallel.kernel_table": not_a_string,
     "model.qk_rope_head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),
     "model.yarn_factor": between_bad(1, math.inf, low_ok=True, high_ok=False),
     "model.head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),

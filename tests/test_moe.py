@@ -29,14 +29,14 @@ GEMMS = {
     "softmax_blocked": ParallelConfig(grouped_gemm="blocked"),
     "softmax_blocked_rows4": ParallelConfig(grouped_gemm="blocked", gemm_block_rows=4),
     "softmax_ragged_dot": ParallelConfig(grouped_gemm="ragged_dot"),
-    "softmax_tokamax": ParallelConfig(grouped_gemm="tokamax"),
+    "softmax_kernels": ParallelConfig(grouped_gemm="kernels"),
 }
 
 CASES = {
     "softmax_blocked": {},
     "softmax_blocked_rows4": {},
     "softmax_ragged_dot": {},
-    "softmax_tokamax": {},
+    "softmax_kernels": {},
     "sigmoid_scaled_unnormalised": dict(score_fn="sigmoid", normalize_top_k=False, routed_scaling=2.5),
     "sigmoid_normalised_shared": dict(score_fn="sigmoid", num_shared_experts=2, routed_scaling=2.5),
     "top1": dict(top_k=1),

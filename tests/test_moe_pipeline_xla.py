@@ -61,13 +61,13 @@ def test_xla_tier_with_ragged_dot_matches_one_device(load):
   _assert_matches_one_device((2, 4, 1, 1), "ep", load, _xla(3, grouped_gemm="ragged_dot"))
 
 
-# The tokamax grouped GEMM path (on CPU its XLA version: the same sorting, masking and VJP typing as on
-# GPUs) under shard_map with checked replication, on every layout: expert axis 1 (local), expert
-# parallelism, expert-tensor parallelism.
+# The GPU kernels' grouped GEMM path (on CPU XLA's ragged dot for each form: the same sorting, masking and
+# VJP typing as on GPUs) under shard_map with checked replication, on every layout: expert axis 1 (local),
+# expert parallelism, expert-tensor parallelism.
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 @pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=_IDS)
-def test_tokamax_grouped_gemm_matches_one_device(sizes, preset, impl):
-  _assert_matches_one_device(sizes, preset, "dropped", ParallelConfig(impl=impl, grouped_gemm="tokamax"))
+def test_kernels_grouped_gemm_matches_one_device(sizes, preset, impl):
+  _assert_matches_one_device(sizes, preset, "dropped", ParallelConfig(impl=impl, grouped_gemm="kernels"))
 
 
 def test_more_chunks_than_tokens_is_one_chunk_per_token():
@@ -141,9 +141,8 @@ def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_
   mesh = gpu_mesh(sizes, AXES)
   plan = ParallelPlan.for_mesh(mesh, preset, parallel)
   x, experts, weights, _ = _inputs("dropped")
-  # Widths of 128 (only the shapes are compiled): rows of whole 16-byte units in bfloat16, which tokamax's
-  # kernels copy with TMA, and tiles of meshmoe's weight-gradient kernel, which runs tokamax's backward
-  # weight gradients on Hopper (sharding/tokamax_gemm.py).
+  # Widths of 128 (only the shapes are compiled): rows of whole 16-byte units in bfloat16, which the GPU
+  # kernels copy with TMA, in whole tiles of JAX's Hopper kernels (sharding/gpu_kernel_table.py).
   width = 128
   x = jnp.zeros((*x.shape[:-1], width), tokens_dtype)
   w = grouped_ffn.ExpertWeights(*(jnp.zeros((E, width, width)) for _ in range(3)))

@@ -24,7 +24,7 @@ from meshmoe.pallas_kernels import mosaic_tiles
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import context_parallel, expert_parallel, grouped_ffn, plan as plan_lib, tensor_parallel
-from meshmoe.sharding import tokamax_gemm
+from meshmoe.sharding.grouped_gemm_kernels import Candidate
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import Hardware, ParallelPlan
 from meshmoe.sharding.shardings import use_plan
@@ -94,19 +94,53 @@ def test_hopper_gpus_get_the_mosaic_kernels_for_shapes_that_tile():
   assert float32.implementation == "all_to_all" and "float32" in float32.fallback
 
 
-def test_hopper_weight_gradients_run_meshmoe_s_kernel_not_tokamax_s():
-  """tokamax's Hopper weight-gradient kernel returned wrong gradients on both GPUs it ran on (README): the
-  plan gives the ragged contraction to meshmoe's grouped weight-gradient kernel, or where that does not
-  tile the widths, the plan runs the blocked GEMM and says why."""
+def _h100_model_plan(dtype: str) -> ParallelPlan:
+  """The plan of tiny_moe with 512-wide tokens and experts in `dtype` on 8 H100s, data parallel."""
+  config = tiny_moe.get_config()
+  config.mesh = MeshConfig(data=8, expert=1, tensor=1, sequence=1, preset="dp")
+  config.parallel = ParallelConfig(impl="xla")
+  config.model.dtype, config.model.embed_dim, config.model.moe.expert_mlp_dim = dtype, 512, 512
+  return ParallelPlan.build(config.validate(8), make_mesh(config.mesh, deviceless.gpu_devices(8)))
+
+
+def test_on_hopper_the_plan_runs_each_form_s_measured_kernel_and_says_where_it_came_from():
+  """An H100 (sm90) in bfloat16 at d=512, f=512: every form runs JAX's Hopper kernels with the tiles they
+  were measured with (the table's fastest correct candidate at the nearest class, moe_1b); the table says
+  so, with the row. Where no Hopper kernel takes the widths, the next fastest correct one that does runs."""
   plan = _gpu_plan(impl="xla")
   choice = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.bfloat16)
-  assert choice.grouped_gemm == "tokamax"
-  assert choice.gemm_kernels == tokamax_gemm.Kernels("mosaic", tokamax_gemm.MESHMOE, plan.hardware.num_sms)
-  assert "weight gradient meshmoe's grouped weight-gradient kernel" in choice.detail
-  assert choice.gemm_kernels.row_multiple == mosaic_tiles.DEFAULT_TILES.block_k
-  narrow = plan.expert_ffn(ep=8, d=512, f=40, dtype=jnp.bfloat16)  # 80-byte rows: tokamax's TMA copies them
-  assert (narrow.grouped_gemm, narrow.gemm_kernels) == ("blocked", None)
-  assert "meshmoe's kernel, which cannot take them: F=80 is not a multiple of its tile 128" in narrow.fallback
+  assert choice.grouped_gemm == "kernels"
+  tiles = (("block_m", 128), ("block_n", 128), ("block_k", 64), ("max_concurrent_steps", 4), ("grid_block_n", 1))
+  assert choice.gemm_kernels.candidates() == (Candidate("jax_mgpu", "forward", tiles),
+                                              Candidate("jax_mgpu", "input_gradient", tiles),
+                                              Candidate("jax_mgpu", "weight_gradient", tiles))
+  assert choice.gemm_kernels.sources[2] == ("measured 2026-11-27 on NVIDIA H200: 355.7 TFLOP/s at moe_1b "
+                                            "(d_model 1024, expert width 512)")
+  table = _h100_model_plan("bfloat16").table()
+  assert "moe weight gradient: jax_mgpu[128x128x64x4x1] (measured 2026-11-27 on NVIDIA H200" in table
+  # 80-byte expert rows: JAX's kernels tile 128 columns; tokamax's Mosaic forward and input gradient take
+  # them, its weight gradient was measured wrong, so XLA's (dense, correct) weight gradient runs.
+  narrow = plan.expert_ffn(ep=8, d=512, f=40, dtype=jnp.bfloat16)
+  assert [c.implementation for c in narrow.gemm_kernels.candidates()] == ["tokamax_mosaic", "tokamax_mosaic", "xla"]
+
+
+def test_a_float32_model_on_a_gpu_runs_the_blocked_gemm_and_the_plan_says_why():
+  plan = _gpu_plan(impl="xla")
+  choice = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.float32)
+  assert (choice.grouped_gemm, choice.gemm_kernels) == ("blocked", None)
+  table = _h100_model_plan("float32").table()
+  assert ("  moe: not the xla tier's first choice: the GPU grouped-GEMM kernels take bfloat16/float16 operands, not "
+          "float32 (model.dtype=bfloat16 runs them): the blocked GEMM runs (exact, slower)") in table.splitlines()
+
+
+def test_gemm_kernel_overrides_replace_the_measured_choice_for_their_forms_only():
+  plan = _gpu_plan(impl="xla", gemm_kernels="weight_gradient=meshmoe_mosaic")
+  kernels = plan.expert_ffn(ep=8, d=512, f=512, dtype=jnp.bfloat16).gemm_kernels
+  assert [c.implementation for c in kernels.candidates()] == ["jax_mgpu", "jax_mgpu", "meshmoe_mosaic"]
+  assert kernels.sources[2] == "set by parallel.gemm_kernels"
+  assert kernels.row_multiple == mosaic_tiles.DEFAULT_TILES.block_k
+  with pytest.raises(config_lib.ConfigError, match="parallel.gemm_kernels.*forms: forward, input_gradient"):
+    ParallelConfig(gemm_kernels="backward=jax_mgpu").validate()
 
 
 def test_kernel_tiles_reach_every_fused_op_and_decide_what_tiles():

@@ -1,20 +1,27 @@
-"""MoE grouped GEMM and causal attention on one GPU at an experiment's shapes: time, TFLOP/s, % of peak.
+"""meshmoe's fused Comet kernels and Mosaic GPU tiles against the plan's grouped GEMM kernels, XLA and cuBLAS on
+one GPU at an experiment's shapes: time, TFLOP/s, % of peak.
 
-  python -m experiments.benchmarks.gpu_kernels_bench [--config=moe_1b] [--assignments=16384] [--seq_len=4096]
-      [--attention_batch=2] [--iters=20] [--inner=10] [--only=gemm,wgrad,ffn,attention] [--impls=PREFIX,...]
-      [--json_out=FILE]
+  python -m experiments.benchmarks.gpu_kernels_bench [--config=moe_1b] [--assignments=16384] [--iters=20]
+      [--inner=10] [--only=gemm,ffn] [--impls=PREFIX,...] [--json_out=FILE]
 
-Shapes come from experiments/configs/<config>.py (moe_1b: d_model 1024, 32 experts of width 512, top-4;
-16 query / 4 key-value heads of 64), each overridable by a flag. Everything is bfloat16 with float32
-accumulation; routing is balanced (every expert gets assignments/E rows, in expert order), so the dense
-loop can use static slices.
+Every candidate kernel of the grouped GEMM's three forms (forward, input gradient, weight gradient), checked on
+uneven routing and timed form by form, and causal attention are measured by experiments/benchmarks/gpu_measure.py.
+This script keeps what only it measures: meshmoe's own Mosaic GPU kernels inside the MoE's dispatch and return
+(whose cost includes the ring's send and receive buffers), tile shape by tile shape, and the whole GEMM or
+expert FFN, forward and forward + backward, against the plan's kernels and XLA's ops at one experiment's shapes.
+
+Shapes come from experiments/configs/<config>.py (moe_1b: d_model 1024, 32 experts of width 512, top-4), each
+overridable by a flag. Everything is bfloat16 with float32 accumulation; routing is balanced (every expert gets
+assignments/E rows, in expert order), so the dense loop can use static slices.
 
 Groups (rows of the table):
 - `gemm` (forward, and forward + backward: dx and dw), y[M, N] = x[M, K] @ w[expert of the row][K, N] for
   the two GEMM shapes of an expert FFN: gate+up (K = d_model, N = 2 x expert width: one GEMM, as
   sharding/grouped_ffn.py runs it) and down (K = expert width, N = d_model). Implementations:
-  - `tokamax`: tokamax's grouped GEMM as the MoE path calls it (sharding/tokamax_gemm.ragged_matmul, with
-    the plan's kernels for this GPU: Mosaic GPU on sm90; its own VJP);
+  - `kernels`: the plan's kernels for this GPU, one per form (sharding/hardware.grouped_gemm_for with
+    "kernels": the measured choice of sharding/gpu_kernel_table.py for the config's d_model and expert width),
+    as the MoE path calls them (sharding/ragged_gemm.ragged_matmul, whose VJP runs the input- and
+    weight-gradient kernels); the row's note names them. Off GPUs, XLA's ragged dot for every form;
   - `mosaic_tiles BMxBNxBKxSTAGES[xCONSUMERS]`: meshmoe's own Mosaic GPU tiles (pallas_kernels/), one row
     per tile shape of --mosaic_tiles (with CONSUMERS, warp-specialised blocks: a producer warpgroup and
     that many consumers): the Comet dispatch + grouped GEMM kernel on a ring of one GPU (its send
@@ -22,25 +29,15 @@ Groups (rows of the table):
     backward is its custom VJP (the GEMM + return kernel with the transposed weights, and the grouped
     weight-gradient kernel). Hopper only;
   - `ragged_dot`: jax.lax.ragged_dot (XLA's own lowering);
-  - `dense_loop`: a Python loop over experts of dense matmuls on each expert's rows (static slices);
-  - `dense_batched`: one batched einsum [E, M/E, K] x [E, K, N], what balanced routing would cost as a
-    plain dense GEMM: a ceiling, not a grouped GEMM.
-- `wgrad`, the weight gradient alone, dw[e] = x_e^T dy_e (a ragged contraction): tokamax's
-  (`ragged_dot_general` with its own contraction kernel), meshmoe's grouped weight-gradient Mosaic kernel
-  (`mosaic_tiles`: one warpgroup on 64 x 128 tiles, what the fused MoE backward runs; `mosaic_ragged`: the
-  same on rows in any group sizes, what the plan runs in tokamax's place on Hopper; `mosaic_ws_128x256`:
-  warp-specialised, a producer and two consumer warpgroups on 128 x 256 tiles), jax.lax.ragged_dot_general,
-  and the dense loop.
+  - `dense_loop`: a Python loop over experts of dense matmuls on each expert's rows (static slices; cuBLAS
+    on GPUs);
+  - `dense_batched`: one batched einsum [E, M/E, K] x [E, K, N] (cuBLAS on GPUs), what balanced routing would
+    cost as a plain dense GEMM: a ceiling, not a grouped GEMM.
 - `ffn`, the whole expert FFN y = down(silu(x @ gate) * (x @ up)) per assignment row, forward and forward +
   backward: meshmoe's two fused Comet kernels on a ring of one GPU (`mosaic_fused`: dispatch + grouped GEMM
   with SwiGLU in its epilogue, then grouped GEMM + return; its backward recomputes gate and up per tile;
   `mosaic_fused_ws`: the same, warp-specialised on Hopper's 128 x 256 tiles) against XLA's unfused ops on the
   same shapes (`xla_unfused`: three jax.lax.ragged_dot and the SwiGLU between them, gate and up in memory).
-- `attention`, causal GQA attention [B, S, N, H] x [B, S, G, H], forward and forward + backward:
-  meshmoe's GPU path (context_parallel.sharded_attention, whole sequence, with the kernel the plan picks
-  for this GPU: tokamax's flash attention), meshmoe's einsum path (context_parallel.causal_attention:
-  float32 scores in memory; the CPU path), and jax.nn.dot_product_attention with implementation "xla"
-  and "cudnn".
 
 Timing: one call compiles, --warmup calls warm up, then --iters samples, each --inner calls launched back
 to back and waited for once (jax.block_until_ready), so launch overheads overlap the GPU's work; the
@@ -48,17 +45,14 @@ median sample / inner is the time per call. Forward + backward calls return the 
 and weight gradients (jax.vjp), so nothing is dead code.
 
 FLOPs are useful FLOPs: 2 M K N per grouped GEMM, 6 M D F per expert FFN (not the padding or the dense
-over-computation of an implementation), 3 x that forward + backward; attention 4 B N H S(S+1)/2 forward (the
-causal half, as meshmoe.analysis.cost_model.forward_flops counts it), 3 x that forward + backward (the cost
-model's backward = 2 x forward; a flash backward's recomputed scores are not useful FLOPs). % peak is against
-the device's dense bf16 peak (meshmoe.training.metrics.peak_flops_per_device: H100 SXM / H200 989, H100 PCIe
-756, A100 312 TFLOP/s, from NVIDIA's datasheets; the MFU the trainer logs uses the same table), or
---peak_tflops. `err` is max |out - reference| / max |reference| of the forward output against a float32
-computation (the dense loop in float32; einsum attention in float32).
+over-computation of an implementation), 3 x that forward + backward. % peak is against the device's dense
+bf16 peak (meshmoe.training.metrics.peak_flops_per_device: H100 SXM / H200 989, H100 PCIe 756, A100 312
+TFLOP/s, from NVIDIA's datasheets; the MFU the trainer logs uses the same table), or --peak_tflops. `err` is
+max |out - reference| / max |reference| of the forward output against a float32 computation (the dense loop
+in float32).
 
-Without a GPU, --noplatform_check runs every path that has a CPU version (tokamax's XLA kernels, the
-flash path with tokamax's XLA attention) at whatever shapes the flags give: a check that the script
-runs, not a benchmark.
+Without a GPU, --noplatform_check runs every path that has a CPU version (the plan's kernels, which are XLA's
+there, and XLA's rows) at whatever shapes the flags give: a check that the script runs, not a benchmark.
 """
 
 from __future__ import annotations
@@ -78,17 +72,12 @@ from collections.abc import Callable
 
 from absl import app, flags
 
-GROUPS = ("gemm", "wgrad", "ffn", "attention")
+GROUPS = ("gemm", "ffn")
 flags.DEFINE_string("config", "moe_1b", "experiment whose shapes are used: a file name in experiments/configs/")
 flags.DEFINE_integer("assignments", 16384, "grouped GEMM rows M (token x top-k assignments)", lower_bound=1)
 flags.DEFINE_integer("d_model", 0, "model width (0: the config's)", lower_bound=0)
 flags.DEFINE_integer("expert_width", 0, "expert FFN width (0: the config's)", lower_bound=0)
 flags.DEFINE_integer("experts", 0, "number of experts (0: the config's)", lower_bound=0)
-flags.DEFINE_integer("seq_len", 4096, "attention sequence length", lower_bound=1)
-flags.DEFINE_integer("attention_batch", 2, "attention batch (sequences)", lower_bound=1)
-flags.DEFINE_integer("heads", 0, "query heads (0: the config's)", lower_bound=0)
-flags.DEFINE_integer("kv_heads", 0, "key/value heads (0: the config's)", lower_bound=0)
-flags.DEFINE_integer("head_dim", 0, "head dimension (0: the config's)", lower_bound=0)
 flags.DEFINE_integer("iters", 20, "timed samples; the median is reported", lower_bound=1)
 flags.DEFINE_integer("inner", 10, "calls per sample, launched back to back", lower_bound=1)
 flags.DEFINE_integer("warmup", 3, "untimed calls after the compiling one", lower_bound=0)
@@ -98,7 +87,7 @@ flags.DEFINE_list("mosaic_tiles", ["64x128x64x4", "128x128x64x4", "128x256x64x3x
                   "each (pallas_kernels/mosaic_tiles.py; the first is the kernels' default, the last Hopper's "
                   "warp-specialised layout)")
 flags.DEFINE_list("impls", [], "only the implementations whose names start with one of these (e.g. "
-                  "mosaic,dense_batched: no tokamax autotuning in a short GPU slot); default: every one")
+                  "mosaic,dense_batched); default: every one")
 flags.DEFINE_float("peak_tflops", 0.0, "dense bf16 peak TFLOP/s of the device (0: look up its kind)")
 flags.DEFINE_bool("platform_check", True, "require a GPU (--noplatform_check: run the CPU versions)")
 flags.DEFINE_string("json_out", None, "also write the rows as JSON lines to this file")
@@ -176,7 +165,7 @@ def skipped(row: Row, why: str) -> Row:
 # Grouped GEMM ------------------------------------------------------------------------------------------------
 
 
-def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu: bool) -> list[Row]:
+def gemm_rows(m: int, e: int, d: int, f: int, device, on_gpu: bool) -> list[Row]:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -184,11 +173,13 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
   from jax.sharding import PartitionSpec as P
 
   from meshmoe.pallas_kernels import moe_routing
-  from meshmoe.sharding import tokamax_gemm
-  from meshmoe.sharding.plan import Hardware
+  from meshmoe.sharding.hardware import Hardware, grouped_gemm_for
+  from meshmoe.sharding.ragged_gemm import ragged_matmul
 
   hardware = Hardware.of(device)
-  kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
+  # Chosen once, for the FFN's widths, as the plan chooses them: the same kernels run both GEMM shapes.
+  _, kernels, why_no_kernels = grouped_gemm_for("kernels", hardware, jnp.bfloat16, d, f)
+  shapes = {"gate_up": (d, 2 * f), "down": (f, d)}
   hopper = on_gpu and hardware.compute_capability.startswith("9.")
   num_sms = hardware.num_sms or None  # None: read from the device
   sizes_np = np.full((e,), m // e, np.int64)
@@ -216,7 +207,7 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
     flops = 2.0 * m * k * n
 
     forward = {
-        "tokamax": (lambda x, w: tokamax_gemm.ragged_matmul(x, w, sizes, kernels)) if kernels else None,
+        "kernels": (lambda x, w: ragged_matmul(x, w, sizes, kernels)) if kernels else None,
         "ragged_dot": lambda x, w: jax.lax.ragged_dot(x, w, sizes),
         "dense_loop": lambda x, w: jnp.concatenate([x[offsets[i]:offsets[i + 1]] @ w[i] for i in range(e)]),
         "dense_batched": (lambda x, w: jnp.einsum("egk,ekn->egn", x.reshape(e, m // e, k), w).reshape(m, n))
@@ -226,8 +217,10 @@ def gemm_rows(m: int, e: int, shapes: dict[str, tuple[int, int]], device, on_gpu
       for name, fn in forward.items():
         row = Row("gemm", name, label, mode, flops if mode == "fwd" else 3 * flops)
         if fn is None:
-          rows.append(skipped(row, why_no_tokamax if name == "tokamax" else "rows not divisible by experts"))
+          rows.append(skipped(row, why_no_kernels if name == "kernels" else "rows not divisible by experts"))
           continue
+        if name == "kernels":
+          row.note = kernels.describe()  # which kernels these numbers are of: the measured table changes
         if mode == "fwd":
           rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (x, w)), check))
         else:
@@ -299,73 +292,6 @@ def mosaic_gemm_row(row: Row, tiles, x, w, dy, tile_plan, mesh, num_sms, referen
   kernel = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P()),
                                  out_specs=(P("x"), (P("x"), P("x"))), check_vma=True))
   return run_row(row, lambda: (kernel, (x, w, dy, tile_plan)))
-
-
-def wgrad_rows(m: int, e: int, k: int, n: int, device, on_gpu: bool) -> list[Row]:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  from meshmoe.pallas_kernels import mosaic_tiles
-  from meshmoe.pallas_kernels.grouped_weight_gradient import api as weight_gradient
-  from meshmoe.sharding import tokamax_gemm
-  from meshmoe.sharding.plan import Hardware
-
-  import tokamax
-
-  hardware = Hardware.of(device)
-  kernels, why_no_tokamax = tokamax_gemm.kernels_for(hardware.platform, hardware.compute_capability)
-  hopper = on_gpu and hardware.compute_capability.startswith("9.")
-  # tokamax's own contraction kernel (on Hopper the plan runs meshmoe's instead: sharding/tokamax_gemm.py).
-  tokamax_contraction = "mosaic" if kernels and kernels.contraction == tokamax_gemm.MESHMOE else (
-      kernels and kernels.contraction)
-  sizes_np = np.full((e,), m // e, np.int64)
-  sizes_np[: m % e] += 1
-  offsets = np.concatenate([[0], np.cumsum(sizes_np)])
-  sizes = jnp.asarray(sizes_np, jnp.int32)
-  keys = jax.random.split(jax.random.key(1), 2)
-  x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-  dy = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
-  like = jnp.zeros((e, k, n), jnp.bfloat16)
-  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
-                                           rhs_group_dimensions=[])
-  reference = jax.jit(lambda x, dy: jnp.stack(
-      [x[offsets[i]:offsets[i + 1]].astype(jnp.float32).T @ dy[offsets[i]:offsets[i + 1]].astype(jnp.float32)
-       for i in range(e)]))(x, dy)
-  check = lambda dw: relative_error(dw, reference)
-  label = f"dw: M={m} K={k} N={n} E={e}"
-  flops = 2.0 * m * k * n
-  impls = {
-      "tokamax": (lambda x, dy: tokamax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16,
-                                                           implementation=tokamax_contraction)) if kernels else None,
-      # Rows in any group sizes (tile_rows=1), as the plan runs it in tokamax's place on Hopper.
-      "mosaic_ragged": (lambda x, dy: weight_gradient.weight_gradient(
-          x, dy, sizes, like, tile_rows=1, backend="mosaic_gpu", num_sms=hardware.num_sms or None)) if hopper else None,
-      "mosaic_tiles": (lambda x, dy: weight_gradient.weight_gradient(
-          x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
-          num_sms=hardware.num_sms or None)) if hopper else None,
-      # Warp-specialised: a producer warpgroup and two consumers on 128 x 256 output tiles.
-      "mosaic_ws_128x256": (lambda x, dy: weight_gradient.weight_gradient(
-          x, dy, sizes, like, tile_rows=mosaic_tiles.DEFAULT_TILES.block_m, backend="mosaic_gpu",
-          num_sms=hardware.num_sms or None, tiles=mosaic_tiles.HOPPER_TILES)) if hopper else None,
-      "ragged_dot": lambda x, dy: jax.lax.ragged_dot_general(x, dy, sizes, dims, preferred_element_type=jnp.bfloat16),
-      "dense_loop": lambda x, dy: jnp.stack([x[offsets[i]:offsets[i + 1]].T @ dy[offsets[i]:offsets[i + 1]]
-                                             for i in range(e)]),
-  }
-  rows = []
-  for name, fn in impls.items():
-    row = Row("wgrad", name, label, "fwd", flops)
-    if fn is None:
-      rows.append(skipped(row, why_no_tokamax if name == "tokamax"
-                          else "meshmoe's Mosaic GPU kernels need a Hopper GPU"))
-    elif name.startswith("mosaic") and (why := weight_gradient.unsupported(
-        k, n, jnp.bfloat16, *((mosaic_tiles.HOPPER_TILES,) if name == "mosaic_ws_128x256" else ()))
-        or next((f"expert rows {s} not whole {mosaic_tiles.DEFAULT_TILES.block_m}-row tiles"
-                 for s in sizes_np if s % mosaic_tiles.DEFAULT_TILES.block_m and name != "mosaic_ragged"), None)):
-      rows.append(skipped(row, why))
-    else:
-      rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (x, dy)), check))
-  return rows
 
 
 # The expert FFN ----------------------------------------------------------------------------------------------
@@ -444,55 +370,6 @@ def ffn_rows(m: int, e: int, d: int, f: int, device, on_gpu: bool) -> list[Row]:
   return rows
 
 
-# Attention ---------------------------------------------------------------------------------------------------
-
-
-def attention_rows(b: int, s: int, n: int, g: int, h: int, device, on_gpu: bool) -> list[Row]:
-  import jax
-  import jax.numpy as jnp
-
-  from meshmoe.sharding import attention_kernels
-  from meshmoe.sharding import context_parallel as cp
-  from meshmoe.sharding.plan import Hardware, attention_kernel
-
-  kernel, why_no_kernel = attention_kernel("auto", Hardware.of(device))
-  if not on_gpu:
-    kernel, why_no_kernel = "xla", ""  # tokamax's plain-XLA version: the path's CPU check
-  why_no_kernel = why_no_kernel or (attention_kernels.unsupported(kernel, jnp.bfloat16, h) if kernel else "")
-  keys = jax.random.split(jax.random.key(2), 4)
-  q, k, v, ct = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
-                 for key, shape in zip(keys, ((b, s, n, h), (b, s, g, h), (b, s, g, h), (b, s, n, h))))
-  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-  f32 = lambda a: a.astype(jnp.float32)
-  reference = jax.jit(lambda q, k, v: cp.causal_attention(f32(q), f32(k), f32(v), pos, pos))(q, k, v)
-  check = lambda out: relative_error(out, reference)
-  label = f"causal B={b} S={s} N={n} G={g} H={h}"
-  flops = 4.0 * b * n * h * s * (s + 1) / 2
-  impls = {
-      f"meshmoe flash ({kernel or 'none'})": (lambda q, k, v: cp.sharded_attention(
-          q, k, v, pos, implementation="local", axis_names=(), kernel=kernel))
-      if kernel and not why_no_kernel else None,
-      "meshmoe einsum": lambda q, k, v: cp.causal_attention(q, k, v, pos, pos),
-      "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
-      "jax.nn cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-                      if on_gpu else None,
-  }
-  rows = []
-  for mode in ("fwd", "fwd+bwd"):
-    for name, fn in impls.items():
-      row = Row("attention", name, label, mode, flops if mode == "fwd" else 3 * flops)
-      if fn is None:
-        rows.append(skipped(row, why_no_kernel or "needs a GPU"))
-      elif mode == "fwd":
-        rows.append(run_row(row, lambda fn=fn: (jax.jit(fn), (q, k, v)), check))
-      else:
-        def fwd_bwd(q, k, v, ct, fn=fn):
-          out, pullback = jax.vjp(fn, q, k, v)
-          return out, pullback(ct)
-        rows.append(run_row(row, lambda f=fwd_bwd: (jax.jit(f), (q, k, v, ct))))
-  return rows
-
-
 # Report ------------------------------------------------------------------------------------------------------
 
 
@@ -523,7 +400,6 @@ def main(argv):
     sys.exit(f"error: --config={FLAGS.config!r} is not a file in experiments/configs/")
   import jax
 
-  import tokamax  # noqa: F401: fail early, with its own message, where it is missing
   from meshmoe.training import metrics
 
   device = jax.devices()[0]
@@ -536,12 +412,14 @@ def main(argv):
   d = FLAGS.d_model or model.embed_dim
   f = FLAGS.expert_width or model.moe.expert_mlp_dim
   e = FLAGS.experts or model.moe.num_experts
-  n, g, h = FLAGS.heads or model.num_heads, FLAGS.kv_heads or model.num_kv_heads, FLAGS.head_dim or model.head_dim
   m = FLAGS.assignments
   peak = FLAGS.peak_tflops * 1e12 or metrics.peak_flops_per_device(device.device_kind, device.platform)
 
   versions = {name: getattr(importlib.import_module(name), "__version__", "?") for name in ("jax", "jaxlib")}
-  versions["tokamax"] = importlib.metadata.version("tokamax")
+  try:  # only the plan's kernels on GPUs may need it: missing, it fails their row, not the run
+    versions["tokamax"] = importlib.metadata.version("tokamax")
+  except importlib.metadata.PackageNotFoundError:
+    versions["tokamax"] = "not installed"
   print(f"device: {device.device_kind} ({device.platform}"
         + (f", compute capability {getattr(device, 'compute_capability', '?')}, "
            f"{getattr(device, 'core_count', '?')} SMs" if on_gpu else "") + ")")
@@ -551,16 +429,13 @@ def main(argv):
   print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
   print(f"shapes ({FLAGS.config}): d_model {d}, expert width {f}, {e} experts (top-{model.moe.top_k}), "
         f"{m} assignments ({m / max(model.moe.top_k, 1):.0f} tokens x top-{model.moe.top_k}), "
-        f"{m // e} rows per expert; attention {n} query / {g} kv heads of {h}, "
-        f"{FLAGS.attention_batch} x {FLAGS.seq_len} tokens")
+        f"{m // e} rows per expert")
   print(f"timing: median of {FLAGS.iters} samples of {FLAGS.inner} back-to-back calls, after {FLAGS.warmup} "
         "warm-up calls; bfloat16, balanced routing", flush=True)
 
   rows: list[Row] = []
-  groups = {"gemm": lambda: gemm_rows(m, e, {"gate_up": (d, 2 * f), "down": (f, d)}, device, on_gpu),
-            "wgrad": lambda: wgrad_rows(m, e, d, f, device, on_gpu),
-            "ffn": lambda: ffn_rows(m, e, d, f, device, on_gpu),
-            "attention": lambda: attention_rows(FLAGS.attention_batch, FLAGS.seq_len, n, g, h, device, on_gpu)}
+  groups = {"gemm": lambda: gemm_rows(m, e, d, f, device, on_gpu),
+            "ffn": lambda: ffn_rows(m, e, d, f, device, on_gpu)}
   names: set[str] = set()  # of every implementation the groups have, run or not
   for group in GROUPS:
     if group in FLAGS.only:

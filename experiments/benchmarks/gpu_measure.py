@@ -1,7 +1,8 @@
 """Everything meshmoe measures on one GPU, in one command that fits a short lease: correctness, speed, training.
 
   python -m experiments.benchmarks.gpu_measure --out=DIR [--budget_s=480] [--parts=gemm,train,attention]
-      [--shapes=moe_1b,mixtral_8x7b,qwen3_30b_a3b,deepseek_v3] [--implementations=PREFIX,...]
+      [--shapes=moe_1b,mixtral_8x7b,qwen3_30b_a3b,deepseek_v3] [--shape=E,M,D,F] [--implementations=PREFIX,...]
+      [--train_runs=moe_1b,qwen3_30b_a3b_proxy]
   (experiments/benchmarks/gpu_measure.sh installs carried wheels first and runs this.)
 
 Parts, each in its own process (a part's GPU memory is free for the next; a part cut off by its time share
@@ -15,7 +16,13 @@ loses only the rows it had not finished), in the order given:
 - `attention`: causal GQA attention forward and backward, tokamax's flash kernels and jax.nn's cuDNN and
   XLA versions, checked against float32 attention (output and the three gradients) and timed;
 - `train`: experiments.train on the one GPU, moe_1b and a one-GPU proxy of Qwen3-30B-A3B (its real widths,
-  128 experts top-8, PROXY_LAYERS layers): tokens/s and MFU over the logged steps after the first.
+  128 experts top-8, PROXY_LAYERS layers): tokens/s and MFU over the logged steps after the first (no
+  checkpoint is written); `moe_1b_before` runs moe_1b with the kernels of before the table (tokamax's
+  Mosaic rows, meshmoe's weight gradient), when --train_runs names it;
+- `tests` (only when named): the tests marked `gpu` (pytest -m gpu tests/), pass or fail per test.
+
+Your own shapes (the opt-in tuning): --shape=E,M,D,F measures E experts, M rows, d_model D, expert width F
+as the shape class "custom"; give the resulting measure.jsonl to `parallel.kernel_table`.
 
 Every row is appended to DIR/measure.jsonl as it finishes and printed; DIR/measure.md is the tables,
 rewritten after each part. Nothing autotunes: tokamax runs its tuned table or its heuristics.
@@ -41,7 +48,8 @@ import traceback
 
 from absl import app, flags
 
-PARTS = ("gemm", "train", "attention")  # the default order: the least measured first
+PARTS = ("gemm", "train", "attention", "tests")  # the default order (without tests): the least measured first
+DEFAULT_PARTS = PARTS[:3]
 GEMM_TOLERANCE = 1e-2  # bf16 output rounding is ~2e-3 relative; a wrong tile or race is far above
 ATTENTION_TOLERANCE = 2e-2  # bf16 probabilities and score gradients are rounded before their products
 PROXY_LAYERS = 4
@@ -74,25 +82,26 @@ SHAPES = {
 }
 DRY_RUN_SHAPES = {"tiny": GemmShape(4, 64, 32, 16, "dry run")}
 
-# Candidates per form: (implementation, tiles). jax_mgpu's tiles are its keyword arguments.
-_MGPU_ROWS = (("block_m", 128), ("block_n", 128), ("block_k", 64), ("max_concurrent_steps", 4), ("grid_block_n", 1))
-_MGPU_CONTRACTION = _MGPU_ROWS
+# Candidates per form: (implementation, tiles); jax_mgpu once per --mgpu_tiles entry (its keyword arguments).
 CANDIDATES = {
-    "forward": [("tokamax_mosaic", ()), ("tokamax_triton", ()), ("jax_mgpu", _MGPU_ROWS), ("xla_cudnn", ()),
-                ("xla", ())],
-    "input_gradient": [("tokamax_mosaic", ()), ("tokamax_triton", ()), ("jax_mgpu", _MGPU_ROWS),
-                       ("xla_cudnn", ()), ("xla", ())],
-    "weight_gradient": [("meshmoe_mosaic", ()), ("tokamax_triton", ()), ("jax_mgpu", _MGPU_CONTRACTION),
-                        ("tokamax_mosaic", ()), ("xla", ())],
+    "forward": ["tokamax_mosaic", "tokamax_triton", "jax_mgpu", "xla_cudnn", "xla"],
+    "input_gradient": ["tokamax_mosaic", "tokamax_triton", "jax_mgpu", "xla_cudnn", "xla"],
+    "weight_gradient": ["meshmoe_mosaic", "tokamax_triton", "jax_mgpu", "tokamax_mosaic", "xla"],
 }
+MGPU_TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
 # XLA's ragged_dot computes every group densely (E x the useful FLOPs): not timed where that is more than this.
 XLA_DENSE_MAX_FLOPS = 5e12
 
 flags.DEFINE_string("out", None, "folder for measure.jsonl, measure.md and the training runs", required=True)
 flags.DEFINE_float("budget_s", 480.0, "wall-clock seconds for all parts together")
-flags.DEFINE_list("parts", list(PARTS), f"parts in the order to run: {', '.join(PARTS)}")
+flags.DEFINE_list("parts", list(DEFAULT_PARTS), f"parts in the order to run: {', '.join(PARTS)}")
 flags.DEFINE_list("shapes", list(SHAPES), f"configs whose shapes are measured: {', '.join(SHAPES)}")
+flags.DEFINE_string("shape", None, "E,M,D,F: also measure E experts, M rows, d_model D, expert width F ('custom')")
+flags.DEFINE_list("train_runs", ["moe_1b", "qwen3_30b_a3b_proxy"], "training runs (moe_1b, qwen3_30b_a3b_proxy, "
+                  "moe_1b_before)")
 flags.DEFINE_list("implementations", [], "only candidates whose names start with one of these (default: all)")
+flags.DEFINE_list("mgpu_tiles", ["128x128x64x4x1"], "tiles of JAX's Hopper kernels to measure, each "
+                  "BLOCK_MxBLOCK_NxBLOCK_KxSTAGESxGRID_BLOCK_N (a sweep: several)")
 flags.DEFINE_integer("iters", 10, "timed samples per row (median reported)", lower_bound=1)
 flags.DEFINE_integer("inner", 5, "calls per timed sample, launched back to back", lower_bound=1)
 flags.DEFINE_integer("train_steps", 30, "training steps per run", lower_bound=2)
@@ -103,10 +112,12 @@ flags.DEFINE_float("deadline", 0.0, "internal: time.time() by which the part mus
 FLAGS = flags.FLAGS
 
 # Shares of the budget per part (the rest of a part's share passes to the next).
-_SHARES = {"gemm": 0.55, "train": 0.3, "attention": 0.15}
+_SHARES = {"gemm": 0.55, "train": 0.3, "attention": 0.15, "tests": 0.3}
 
 
 # Shared -------------------------------------------------------------------------------------------------------
+
+COMMAND_VARIABLE = "MESHMOE_MEASURE_COMMAND"  # the command line the rows record (gpu_measure.sh sets it)
 
 
 def emit(row: dict) -> None:
@@ -123,7 +134,8 @@ def device_info() -> dict:
   d = jax.devices()[0]
   return {"device": d.device_kind, "platform": d.platform,
           "compute_capability": str(getattr(d, "compute_capability", "") or ""),
-          "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__}
+          "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "dtype": "bfloat16",
+          "command": os.environ.get(COMMAND_VARIABLE, "")}
 
 
 def time_call(fn, args) -> float:
@@ -175,6 +187,26 @@ def group_sizes(experts: int, rows: int, uneven: bool, seed: int = 0):
   else:
     sizes[-1] = rows
   return sizes
+
+
+def mgpu_tiles() -> list[tuple[tuple[str, int], ...]]:
+  """--mgpu_tiles as Candidate tiles."""
+  tiles = []
+  for text in FLAGS.mgpu_tiles:
+    parts = text.split("x")
+    if len(parts) != len(MGPU_TILE_NAMES) or not all(p.isdigit() and int(p) > 0 for p in parts):
+      raise ValueError(f"--mgpu_tiles entry {text!r}: BLOCK_MxBLOCK_NxBLOCK_KxSTAGESxGRID_BLOCK_N, five positive "
+                       "integers (e.g. 128x128x64x4x1)")
+    tiles.append(tuple(zip(MGPU_TILE_NAMES, map(int, parts))))
+  return tiles
+
+
+def custom_shape(text: str) -> GemmShape:
+  parts = text.split(",")
+  if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"--shape={text!r}: E,M,D,F, four positive integers (experts, rows, d_model, expert width)")
+  e, m, d, f = map(int, parts)
+  return GemmShape(e, m, d, f, "--shape")
 
 
 def padded_reference(form: str, a, b, sizes):
@@ -231,6 +263,8 @@ def gemm_part(info: dict) -> None:
   from meshmoe.sharding.grouped_gemm_kernels import Candidate
 
   shapes = DRY_RUN_SHAPES if FLAGS.dry_run else {name: SHAPES[name] for name in FLAGS.shapes}
+  if FLAGS.shape:
+    shapes["custom"] = custom_shape(FLAGS.shape)
   for config, shape in shapes.items():
     m, k, n, e = shape.rows, shape.k, shape.n, shape.experts
     keys = jax.random.split(jax.random.key(0), 3)
@@ -239,9 +273,10 @@ def gemm_part(info: dict) -> None:
     dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
     operands = {"forward": (x, w), "input_gradient": (dy, w), "weight_gradient": (x, dy)}
     uneven, balanced = group_sizes(e, m, True), group_sizes(e, m, False)
-    for form, candidates in CANDIDATES.items():
+    for form, implementations in CANDIDATES.items():
       a, b = operands[form]
       reference = None
+      candidates = [(i, t) for i in implementations for t in (mgpu_tiles() if i == "jax_mgpu" else [()])]
       for implementation, tiles in candidates:
         if FLAGS.dry_run and implementation != "xla":  # the others need a GPU
           continue
@@ -253,6 +288,9 @@ def gemm_part(info: dict) -> None:
                       "flops": 2.0 * m * k * n}
         if implementation == "xla" and row["flops"] * e > XLA_DENSE_MAX_FLOPS:
           emit(row | {"note": f"not run: XLA's ragged_dot is dense over all {e} groups"})
+          continue
+        if not FLAGS.dry_run and (why := candidate.unsupported(info["compute_capability"], jnp.bfloat16, k, n)):
+          emit(row | {"note": f"not run: {why}"})
           continue
         if out_of_time(margin_s=15):
           emit(row | {"note": "not run: out of time"})
@@ -359,19 +397,26 @@ def train_runs() -> dict[str, list[str]]:
   """Training runs: name -> experiments.train flags (beyond --workdir)."""
   one_device = ["--config.mesh.data=1", "--config.mesh.expert=1", "--config.mesh.tensor=1",
                 "--config.mesh.sequence=1", f"--config.train.steps={FLAGS.train_steps}", "--config.train.log_every=5",
-                "--config.train.eval_every=0", "--config.train.eval_batches=1", "--config.checkpoint.every_steps=0",
+                "--config.train.eval_every=0", "--config.train.eval_batches=1", "--config.checkpoint.every_steps=-1",
                 "--config.sample.max_new_tokens=0"]
   if FLAGS.dry_run:
     return {"tiny_moe": ["--config=experiments/configs/tiny_moe.py", *one_device]}
-  return {
-      # 4 micro-batches of 16 x 2048 tokens (32K tokens, 131K top-4 rows per GEMM), 131K tokens per step.
-      "moe_1b": ["--config=experiments/configs/moe_1b.py", *one_device, "--config.train.global_batch_size=64",
-                 "--config.train.grad_accum_steps=4"],
+  # 4 micro-batches of 16 x 2048 tokens (32K tokens, 131K top-4 rows per GEMM), 131K tokens per step.
+  moe_1b = ["--config=experiments/configs/moe_1b.py", *one_device, "--config.train.global_batch_size=64",
+            "--config.train.grad_accum_steps=4"]
+  runs = {
+      "moe_1b": moe_1b,
+      "moe_1b_before": moe_1b + ["--config.parallel.gemm_kernels=forward=tokamax_mosaic,"
+                                 "input_gradient=tokamax_mosaic,weight_gradient=meshmoe_mosaic"],
       # Qwen3-30B-A3B's widths on one GPU: PROXY_LAYERS layers, 4 sequences of 4096 per micro-batch.
       "qwen3_30b_a3b_proxy": ["--config=experiments/configs/qwen3_30b_a3b.py", *one_device,
                               f"--config.model.num_layers={PROXY_LAYERS}", "--config.parallel.impl=xla",
                               "--config.train.global_batch_size=8", "--config.train.grad_accum_steps=2"],
   }
+  unknown = [name for name in FLAGS.train_runs if name not in runs]
+  if unknown:
+    raise ValueError(f"--train_runs {', '.join(unknown)}: known runs are {', '.join(runs)}")
+  return {name: runs[name] for name in FLAGS.train_runs}
 
 
 def train_part(info: dict) -> None:
@@ -379,8 +424,6 @@ def train_part(info: dict) -> None:
 
   runs = train_runs()
   for name, run_flags in runs.items():
-    if not wanted(name):
-      continue
     row = info | {"part": "train", "run": name, "flags": run_flags}
     remaining = FLAGS.deadline - time.time()
     if remaining < 60 and not FLAGS.dry_run:
@@ -392,8 +435,11 @@ def train_part(info: dict) -> None:
     # Later runs get what is left; the first may not take all of it.
     share = remaining if name == list(runs)[-1] else remaining * 0.55
     started = time.time()
+    # One device: the tests' 8 simulated CPU devices (a dry run inside them) would not match the mesh.
+    env = os.environ | {"XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                              if not f.startswith("--xla_force_host_platform_device_count"))}
     try:
-      done = subprocess.run(command, timeout=share, capture_output=True, text=True)
+      done = subprocess.run(command, timeout=share, capture_output=True, text=True, env=env)
       row["returncode"] = done.returncode
       tail = (done.stdout + done.stderr).strip().splitlines()[-8:]
     except subprocess.TimeoutExpired as e_:
@@ -422,6 +468,27 @@ def train_part(info: dict) -> None:
     checkpoints = workdir / "checkpoints"
     if checkpoints.exists():
       subprocess.run(["rm", "-rf", str(checkpoints)], check=False)
+
+
+# Tests ----------------------------------------------------------------------------------------------------------
+
+
+def tests_part(info: dict) -> None:
+  """The tests marked `gpu`, one row per test (pass, fail or skip), from pytest's JUnit XML."""
+  import xml.etree.ElementTree as ElementTree
+
+  report_path = pathlib.Path(FLAGS.out) / "gpu_tests.xml"
+  command = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/", "-q", "-p", "no:cacheprovider",
+             f"--junitxml={report_path}"]
+  try:
+    subprocess.run(command, timeout=max(FLAGS.deadline - time.time(), 1), env=os.environ | {"JAX_PLATFORMS": "cpu" if FLAGS.dry_run else "cuda"})
+  except subprocess.TimeoutExpired:
+    emit(info | {"part": "tests", "note": "stopped at its time share; the tests finished before it are below"})
+  if not report_path.exists():
+    return
+  for case in ElementTree.parse(report_path).getroot().iter("testcase"):
+    outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+    emit(info | {"part": "tests", "test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome})
 
 
 # Report -------------------------------------------------------------------------------------------------------
@@ -462,7 +529,13 @@ def report(rows: list[dict]) -> str:
       tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"
       step = f"{r['step_time_s']:.3f}" if "step_time_s" in r else "-"
       loss = " -> ".join(f"{v:.3f}" for v in r.get("loss", []))
-      lines.append(f"| {r['run']} | {tps} | {step} | {mfu} | {loss} | {r.get('note', '')} |")
+      failed = f"exit {r['returncode']}: {r['output_tail'][-1][:150]}" if r.get("returncode") and r.get(
+          "output_tail") else ""
+      lines.append(f"| {r['run']} | {tps} | {step} | {mfu} | {loss} | {r.get('note', '') or failed} |")
+  tests = [r for r in rows if r.get("part") == "tests" and "test" in r]
+  if tests:
+    lines += ["\n## Tests marked gpu\n", "| test | outcome |", "|---|---|"]
+    lines += [f"| {r['test']} | {r['outcome']} |" for r in tests]
   return "\n".join(lines) + "\n"
 
 
@@ -508,12 +581,20 @@ def main(argv):
   if unknown:
     sys.exit(f"error: unknown --parts/--shapes {', '.join(sorted(unknown))}; parts: {', '.join(PARTS)}; "
              f"shapes: {', '.join(SHAPES)}")
+  try:
+    mgpu_tiles()
+    if FLAGS.shape:
+      custom_shape(FLAGS.shape)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  os.environ.setdefault(COMMAND_VARIABLE, "python -m experiments.benchmarks.gpu_measure " + " ".join(
+      a for a in sys.argv[1:] if not a.startswith(("--part=", "--deadline="))))
   pathlib.Path(FLAGS.out).mkdir(parents=True, exist_ok=True)
   if FLAGS.part is None:
     sys.exit(drive())
   if FLAGS.dry_run:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if FLAGS.part == "train":
+  if FLAGS.part in ("train", "tests"):
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process only reads the device's name
   import jax
 
@@ -521,7 +602,7 @@ def main(argv):
   if not FLAGS.dry_run and info["platform"] != "gpu":
     sys.exit(f"error: JAX's first device is {info['platform']}, not a GPU; --dry_run checks the script on CPU")
   print(f"{FLAGS.part}: {info}", flush=True)
-  {"gemm": gemm_part, "attention": attention_part, "train": train_part}[FLAGS.part](info)
+  {"gemm": gemm_part, "attention": attention_part, "train": train_part, "tests": tests_part}[FLAGS.part](info)
   del jax
 
 

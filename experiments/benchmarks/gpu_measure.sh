@@ -30,4 +30,5 @@ if ! "$py" -c 'import jax_triton' 2>/dev/null; then
   rm -rf "$site"/jax_triton*
 fi
 "$py" -c 'import jax, tokamax, importlib.metadata as m; print("jax", jax.__version__, "tokamax", m.version("tokamax"), jax.devices())'
+export MESHMOE_MEASURE_COMMAND="bash experiments/benchmarks/gpu_measure.sh \$OUT $*"
 exec "$py" -m experiments.benchmarks.gpu_measure --out="$out" "$@"

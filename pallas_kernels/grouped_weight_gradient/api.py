@@ -7,7 +7,7 @@ For each expert e, its contiguous rows of x transposed times theirs of dy (refer
 communicates); "mosaic_gpu" the Hopper kernel, which reads only each expert's own rows, with
 `tiles.consumers` > 1 warp-specialised (mosaic_gpu.py). The fused MoE kernels' backward passes
 (moe_backends.py) call this for the expert weights' gradients with their tiles (`parallel.kernel_tiles`);
-tokamax's grouped GEMM path calls it on Hopper for rows in any group sizes (sharding/tokamax_gemm.py).
+the unfused MoE path can run it for rows in any group sizes (`meshmoe_mosaic`, sharding/grouped_gemm_kernels.py).
 
 Legend: R rows, D and F the two widths, E experts, TM rows per tile.
 """

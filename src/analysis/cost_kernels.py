@@ -26,11 +26,15 @@ from meshmoe.sharding.plan import OpChoice
 FUSED_KINDS = ("fused all-gather", "fused reduce-scatter", "fused all-to-all")
 
 
-# tokamax 0.0.17's grouped GEMM on Hopper with its heuristic config (what runs without autotuning, and in
-# every deviceless compile): tiles of 64 rows; an expert's first tile starts at its first row rounded down
-# to a multiple of 8, and only tiles holding rows of some expert run.
-TOKAMAX_TILE_ROWS = 64
-TOKAMAX_ROW_ALIGN = 8
+# The row tiles of the grouped-GEMM kernels (sharding/grouped_gemm_kernels.py), as (rows per tile, the
+# multiple an expert's first tile starts at): only tiles holding rows of some expert run.
+# - tokamax 0.0.17's Mosaic GPU kernels with their heuristic config (what runs without autotuning, and in
+#   every deviceless compile): 64-row tiles, a group's first starting at its first row rounded down to 8;
+# - tokamax's Triton kernels (heuristics): 128-row tiles from a group's first row;
+# - JAX's Hopper kernels: `block_m`-row tiles on one grid over the buffer, so a group's first tile starts at
+#   its first row rounded down to a multiple of block_m.
+TOKAMAX_TILES = (64, 8)
+TOKAMAX_TRITON_TILES = (128, 1)
 
 
 def in_custom_calls(choice: OpChoice | None) -> bool:
@@ -39,9 +43,18 @@ def in_custom_calls(choice: OpChoice | None) -> bool:
 
 
 def gemm_in_kernels(choice: OpChoice | None) -> bool:
-  """Whether the routed experts' grouped GEMM is a tokamax kernel on a GPU (a custom call)."""
+  """Whether the routed experts' grouped GEMM runs GPU kernels (custom calls), not XLA's ragged dot."""
   kernels = getattr(choice, "gemm_kernels", None)
-  return kernels is not None and kernels.rows != "xla"
+  return kernels is not None and kernels.forward.implementation not in ("xla", "xla_cudnn")
+
+
+def gemm_tiles(choice: OpChoice) -> tuple[int, int]:
+  """(rows per tile, start alignment) of the row GEMMs of `choice.gemm_kernels` (module constants)."""
+  forward = choice.gemm_kernels.forward
+  if forward.implementation == "jax_mgpu":
+    rows = dict(forward.tiles)["block_m"]
+    return rows, rows
+  return TOKAMAX_TRITON_TILES if forward.implementation == "tokamax_triton" else TOKAMAX_TILES
 
 
 def swiglu_recomputed(choice: OpChoice | None) -> bool:
@@ -50,17 +63,18 @@ def swiglu_recomputed(choice: OpChoice | None) -> bool:
   return in_custom_calls(choice) and choice.implementation == "fused" and choice.swiglu_gradient == "recompute"
 
 
-def tokamax_rows(rows_per_expert: float, experts: int) -> float:
-  """Rows tokamax's grouped GEMM computes for `experts` groups of `rows_per_expert` rows (balanced routing):
-  each group's rows, from a start at most 7 rows early, in whole 64-row tiles."""
-  tiles = math.ceil((rows_per_expert + TOKAMAX_ROW_ALIGN - 1) / TOKAMAX_TILE_ROWS) if rows_per_expert else 0
-  return experts * tiles * TOKAMAX_TILE_ROWS
+def kernel_rows(rows_per_expert: float, experts: int, tiles: tuple[int, int]) -> float:
+  """Rows a grouped-GEMM kernel with `tiles` (gemm_tiles) computes for `experts` groups of `rows_per_expert`
+  rows (balanced routing): each group's rows, from a start at most align - 1 rows early, in whole tiles."""
+  tile, align = tiles
+  count = math.ceil((rows_per_expert + align - 1) / tile) if rows_per_expert else 0
+  return experts * count * tile
 
 
-def tokamax_worst_rows(buffer_rows: int, experts: int) -> float:
+def kernel_worst_rows(buffer_rows: int, experts: int, tiles: tuple[int, int]) -> float:
   """The most rows it can compute over a buffer of `buffer_rows`: every tile of the buffer, plus one
-  partial tile per expert boundary (the kernel's task count)."""
-  return (math.ceil(buffer_rows / TOKAMAX_TILE_ROWS) + experts - 1) * TOKAMAX_TILE_ROWS
+  partial tile per expert boundary (the kernels' task count)."""
+  return (math.ceil(buffer_rows / tiles[0]) + experts - 1) * tiles[0]
 
 
 def projection_bytes(g: int, rows: int, d: int, itemsize: int) -> float:

@@ -256,7 +256,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
                  for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks))
     transient = layer_weights * (c + 4) + rows * d * c + blocks * (3 * d + 6 * width) * c
     return 2 * residual + buffers + hidden + router, transient
-  elif choice.grouped_gemm == "tokamax":  # the receive buffer as is; the kernels make no dense intermediate
+  elif choice.grouped_gemm == "kernels":  # the receive buffer as is; the kernels make no dense intermediate
     logical = ("exp", "embed", "exp_mlp")
     tiled_rows, weights = rows, 0.0
     # The backward's gate/up cotangent [R, 2F], and the stacked experts' weights of every layer transposed:

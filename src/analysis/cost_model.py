@@ -173,17 +173,18 @@ def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) 
     computed_rows, _ = cost_kernels.moe_rows(assignments, lay.ep, local_experts, tile_rows)  # used tiles only
   elif choice.implementation == "fused":  # the kernels' plain-XLA versions multiply every buffer tile
     _, computed_rows = cost_kernels.moe_buffer_rows(assignments, lay.ep, local_experts, tile_rows)
-  elif cost_kernels.gemm_in_kernels(choice):  # tokamax: per chunk, each expert's rows in whole tiles
+  elif cost_kernels.gemm_in_kernels(choice):  # GPU kernels: per chunk, each expert's rows in whole tiles
     chunks = moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks)
-    computed_rows = sum(cost_kernels.tokamax_worst_rows(buffer_rows(tokens), local_experts) if worst_case
-                        else cost_kernels.tokamax_rows(tokens * moe.top_k / local_experts, local_experts)
+    tiles = cost_kernels.gemm_tiles(choice)
+    computed_rows = sum(cost_kernels.kernel_worst_rows(buffer_rows(tokens), local_experts, tiles) if worst_case
+                        else cost_kernels.kernel_rows(tokens * moe.top_k / local_experts, local_experts, tiles)
                         for tokens in chunks)
   elif choice.grouped_gemm == "blocked":  # each chunk's capacity blocks (and overflow tiles: worst case)
     computed_rows = sum(blocked_gemm.computed_rows(tokens * moe.top_k, buffer_rows(tokens), local_experts,
                                                    choice.block_rows, worst_case)
                         for tokens in moe_pipeline.chunk_sizes(assignments // moe.top_k, choice.chunks))
-  else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert (tokamax's
-    computed_rows = rows * local_experts  # XLA version too)
+  else:  # XLA (CPU and GPU alike) rewrites ragged_dot into a dense dot over every local expert
+    computed_rows = rows * local_experts
   per_step_micro = computed_rows * 2 * 3 * m.embed_dim * moe.expert_mlp_dim / plan.axis_size(lay.width_axes)
   return num_moe * per_step_micro * t.grad_accum_steps
 

@@ -167,7 +167,8 @@ class _Loop:
       for step in range(first_step, c.train.steps):
         if preemption.reached(step):
           self._check(pending, state, watchdog)
-          self._save(step, state, watchdog)
+          if c.checkpoint.every_steps >= 0:
+            self._save(step, state, watchdog)
           return state, step
         done = step + 1
         watchdog.beat(f"train step {done}")
@@ -200,7 +201,8 @@ class _Loop:
           self.eval_loss = losses["loss"]
           logger.log_eval(done, losses)
           last_log_time = time.perf_counter()  # evaluation time is not step time
-        if done == c.train.steps or (c.checkpoint.every_steps and done % c.checkpoint.every_steps == 0):
+        every = c.checkpoint.every_steps
+        if every >= 0 and (done == c.train.steps or (every and done % every == 0)):
           self._check(pending, state, watchdog)
           self._save(done, state, watchdog)
         watchdog.beat(f"straggler comparison at step {done}")
