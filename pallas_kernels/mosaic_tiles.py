@@ -88,7 +88,7 @@ class Tiles:
 STAGING_SLOTS = 2
 DEFAULT_TILES = Tiles()
 # Hopper's GEMM layout: 128 x 256 output tiles, a producer and two consumer warpgroups, 3 stages. Untimed
-# against DEFAULT_TILES so far, so the default stays one warpgroup (README, "verification").
+# against DEFAULT_TILES so far, so the default stays one warpgroup (pallas_kernels/README.md, "Verification").
 HOPPER_TILES = Tiles(128, 256, 64, 3, consumers=2)
 # The config's `parallel.kernel_tiles` choices.
 LAYOUTS = dict(zip(KERNEL_TILES, (DEFAULT_TILES, HOPPER_TILES)))
