@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI, Bazel part: build every Bazel target and run the tests not marked slow, offline, with the venv that
-# `bash experiments/run.sh test` created (.ci/run runs that first). Installs Debian's Bazel 4.2.3
+# CI, Bazel part: build every Bazel target and run the smoke tests (each experiment binary once), offline,
+# with the venv that `bash experiments/run.sh test` created (.ci/run runs that first, and with it every
+# pytest test). Installs Debian's Bazel 4.2.3
 # (bazel-bootstrap) when no bazel is on PATH. README.md, "Bazel".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,5 +18,5 @@ if ! command -v bazel >/dev/null; then
 fi
 
 # --batch: no Bazel server outlives this script. The whole graph is built (libraries, binaries, every
-# test); the tests tagged slow or heavy are left to the pytest run before this one.
-bazel --batch test --config=fast //...
+# test target); only the smoke tests run (.bazelrc, config ci).
+bazel --batch test --config=ci //...

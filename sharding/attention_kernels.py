@@ -33,8 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend import backend
 
-# tokamax 0.0.17 exports these ops only through tokamax.ops.gpu, which needs jax-triton for other ops.
-from tokamax._src.ops.attention import base, pallas_mosaic_gpu, pallas_triton
 
 KERNELS = ("mosaic", "triton", "xla")
 GPU_KERNELS = ("mosaic", "triton")
@@ -54,7 +52,12 @@ def unsupported(kernel: str, dtype, head_dim: int) -> str | None:
 
 
 @functools.cache
-def _op(kernel: str) -> base.DotProductAttention:
+def _op(kernel: str):
+  """tokamax's attention op for `kernel`. tokamax is imported here, when a kernel is first traced: importing
+  it takes seconds (its autotuning and quantization modules), which every process would pay at start-up.
+  tokamax 0.0.17 exports these ops only through tokamax.ops.gpu, which needs jax-triton for other ops."""
+  from tokamax._src.ops.attention import base, pallas_mosaic_gpu, pallas_triton
+
   if kernel == "mosaic":
     return pallas_mosaic_gpu.PallasMosaicGpuFlashAttention()
   if kernel == "triton":

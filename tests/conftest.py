@@ -1,5 +1,8 @@
 """Test set-up: 8 simulated CPU devices, float32 matmuls at full precision; the session's reference run."""
+import atexit
+import fcntl
 import os
+import shutil
 import tempfile
 
 # Must happen before jax is imported anywhere. The deviceless-compile flag is deviceless.COMPILE_FLAGS
@@ -17,6 +20,11 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
   if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One JAX compilation cache for the training runs the tests start (tests/runs.py), made by the pytest
+# process that starts the session (xdist's workers inherit it) and removed when that process exits.
+if "MESHMOE_TEST_RUN_CACHE" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
+  os.environ["MESHMOE_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
+  atexit.register(shutil.rmtree, os.environ["MESHMOE_TEST_RUN_CACHE"], ignore_errors=True)
 # Raw data sources are tokenized into this cache on first use (src/data/tokenizing.py): one per machine for
 # the test processes (they fill it safely at once), not the user's ~/.cache; Bazel's sandbox has TEST_TMPDIR.
 os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir(),
@@ -32,9 +40,19 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
-  """The uninterrupted reference run (tests/runs.py): one process, 8 devices, 24 steps. Its workdir."""
+  """The uninterrupted reference run (tests/runs.py): one process, 8 devices, 24 steps. Its workdir, which
+  tests only read. Run once for the whole session: the first pytest-xdist worker to ask runs it while the
+  others wait on the lock, then all read the same run (about two minutes on 2 cores)."""
   from tests import runs
 
-  workdir = tmp_path_factory.mktemp("reference")
-  runs.run(runs.train_command(workdir, *runs.REFERENCE_FLAGS))
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # the session's directory, above each worker's own
+  workdir, done = shared / "reference", shared / "reference.done"
+  with open(shared / "reference.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not done.exists():
+      shutil.rmtree(workdir, ignore_errors=True)  # a run that failed in another worker
+      runs.run(runs.train_command(workdir, *runs.REFERENCE_FLAGS))
+      done.touch()
   return workdir

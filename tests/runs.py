@@ -36,11 +36,14 @@ SMALL_FLAGS = ["--config.model.num_layers=2", "--config.train.seq_len=64", "--co
                "--config.sample.max_new_tokens=4"]
 
 
-# JAX's persistent compilation cache, shared by this test process's runs: a restarted or repeated run loads
-# the compiled steps instead of compiling them again (tiny_moe's train step: 12.6 s -> 3.0 s), as a user's
-# restarts do with JAX_COMPILATION_CACHE_DIR set (README.md, "Multi-host runs and faults").
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
-atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+# JAX's persistent compilation cache for the runs: a restarted or repeated run loads the compiled steps
+# instead of compiling them again, as a user's restarts do with JAX_COMPILATION_CACHE_DIR set (README.md,
+# "Multi-host runs and faults"). One for the whole test session, shared by every pytest-xdist worker's
+# runs (tests/conftest.py makes it and passes it down as MESHMOE_TEST_RUN_CACHE); a process of its own.
+_COMPILE_CACHE = os.environ.get("MESHMOE_TEST_RUN_CACHE")
+if not _COMPILE_CACHE:
+  _COMPILE_CACHE = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
+  atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
 
 
 def env(devices: int = 8) -> dict:

@@ -51,7 +51,7 @@ def test_run_writes_everything_and_the_loss_falls(reference_run):
   assert "--- greedy ---" in (uninterrupted / "sample.txt").read_text()
   assert list((uninterrupted / "profile").rglob("*.xplane.pb")), "no profiler trace for steps 2-3"
   plan = json.loads((uninterrupted / "plan.json").read_text())  # what ran, op by op
-  assert plan["preset"] == "ep" and plan["ops"]["moe"]["implementation"] == "local"
+  assert plan["preset"] == "ep" and plan["ops"]["moe"]["implementation"] == "all_to_all"  # expert=8: exchanged
   assert plan["ops"]["moe"]["grouped_gemm"] == "blocked"  # "auto" on CPU
 
 
@@ -109,7 +109,7 @@ def test_restore_onto_another_layout(reference_run, tmp_path):
                                   "did you mean --config.mesh.expert? MeshConfig's fields: data, expert, tensor,"),
     (["--config.moe.top_k=2"], "--config.moe.top_k names no config field; did you mean --config.model.moe.top_k?"),
     (["--config.model.moe.top_k=9"], "error: config.model.moe.top_k=9 is invalid: at most"),
-    (["--config.mesh.expert=3"], "error: config.mesh.data=-1 is invalid"),
+    (["--config.mesh.data=3"], "error: config.mesh.expert=-1 is invalid"),  # 8 devices leave no whole expert axis
     (["--config.data.source=jsonl", "--config.data.paths=/nonexistent/*.jsonl"], "/nonexistent/*.jsonl"),
 ])
 def test_bad_flags_give_one_clear_error(tmp_path, flags, message):
