@@ -22,6 +22,9 @@ import time
 
 from absl import app, flags, logging
 
+# Plain data: importing it starts no JAX backend (the device count is set in main).
+from meshmoe.config import ATTENTION_KINDS, GRADIENT_COMPRESSIONS, GROUPED_GEMMS, IMPLS, LAYER_SCHEDULES
+
 flags.DEFINE_string("config", "tiny_moe", "experiment config: a file name in experiments/configs/, no .py")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on accelerators)", lower_bound=1)
 flags.DEFINE_integer("steps", 10, "timed steps per repeat", lower_bound=1)
@@ -29,11 +32,12 @@ flags.DEFINE_integer("repeats", 1, "timed repeats of --steps steps", lower_bound
 flags.DEFINE_string("preset", None, "sharding preset (default: the config's)")
 for _axis in ("data", "expert", "tensor", "sequence"):
   flags.DEFINE_integer(_axis, None, f"size of the {_axis} mesh axis")
-flags.DEFINE_string("grouped_gemm", None, "grouped GEMM of the dropless MoE path: auto, blocked, ragged_dot")
-flags.DEFINE_string("attention", None, "context-parallel attention: allgather, ring, ulysses")
-flags.DEFINE_string("impl", None, "parallel-op tier: reference, xla, pallas")
-flags.DEFINE_string("layer_schedule", None, "MoE layers' schedule: sequential, two_halves")
-flags.DEFINE_string("gradient_compression", None, "the routed experts' gradient sum: none, bfloat16, int8, sign")
+flags.DEFINE_string("grouped_gemm", None, f"grouped GEMM of the dropless MoE path: {', '.join(GROUPED_GEMMS)}")
+flags.DEFINE_string("attention", None, f"context-parallel attention: {', '.join(ATTENTION_KINDS)}")
+flags.DEFINE_string("impl", None, f"parallel-op tier: {', '.join(IMPLS)}")
+flags.DEFINE_string("layer_schedule", None, f"MoE layers' schedule: {', '.join(LAYER_SCHEDULES)}")
+flags.DEFINE_string("gradient_compression", None,
+                    f"the routed experts' gradient sum: {', '.join(GRADIENT_COMPRESSIONS)}")
 FLAGS = flags.FLAGS
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 

@@ -13,6 +13,8 @@ from ml_collections import config_flags
 from meshmoe import config as meshmoe_config
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "tiny_moe.py"
+# Where the config sections' fields are documented (meshmoe.config gathers them from these files).
+_FIELDS_DOC = "src/config_model.py, src/config_parallel.py and src/config_run.py"
 
 
 def define_config_flag(argv: list[str]) -> None:
@@ -49,9 +51,9 @@ def _unknown_override(argv: list[str], error: KeyError) -> str:
     close = [f"{parent}.{n}" if parent else n for n in difflib.get_close_matches(name, siblings, n=1)]
     guess = (same_name or close)[:1]
     hint = f"did you mean --config.{guess[0]}? " if guess else ""
-    listing = f"{kind}'s fields: {', '.join(siblings)}" if siblings else "every field: src/config.py"
+    listing = f"{kind}'s fields: {', '.join(siblings)}" if siblings else f"every field: {_FIELDS_DOC}"
     return f"{what}; {hint}{listing}"
-  return f"{error}; see src/config.py for the fields"
+  return f"{error}; see {_FIELDS_DOC} for the fields"
 
 
 def _field_paths(section, prefix: str = ""):

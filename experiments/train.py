@@ -11,7 +11,7 @@ Examples:
 Writes to the workdir (default runs/<config name>): metrics.jsonl, tensorboard/, checkpoints/, training.png,
 sample.txt, config.json, and logs/process_<i>.log for every process. Re-running on a workdir that holds
 checkpoints resumes from the newest usable one. All fields and their defaults: `--helpfull`, or the
-dataclasses in src/config.py.
+dataclasses of meshmoe.config (src/config_model.py, config_parallel.py, config_run.py).
 
 Several processes (one per host or per GPU): under SLURM's srun nothing more is needed (see
 experiments/slurm/train.sbatch); elsewhere give each process --coordinator_address, --num_processes and

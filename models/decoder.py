@@ -39,7 +39,7 @@ from meshmoe.sharding import expert_parallel, shardings
 from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.shardings import constrain
 
-_RESIDUAL = ("act_batch", "act_seq", "act_embed")
+_RESIDUAL_STREAM = ("act_batch", "act_seq", "act_embed")  # the logical axes of x_BSD between the layers
 
 
 class DecoderLayer(nnx.Module):
@@ -59,7 +59,7 @@ class DecoderLayer(nnx.Module):
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, replicas)
     else:
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
-    return constrain(x_BSD + y_BSD, _RESIDUAL), stats
+    return constrain(x_BSD + y_BSD, _RESIDUAL_STREAM), stats
 
   def two_halves(self, halves: Halves, replicas: ExpertWeights | None = None) -> tuple[Halves, MoEStats]:
     """The MoE layer on two halves of the rows (module docstring), the same function as `__call__` on the
@@ -70,25 +70,25 @@ class DecoderLayer(nnx.Module):
     (xa_BSD, xb_BSD), (positions_a_BS, positions_b_BS) = halves
     xa_BSD = self._attention_block(xa_BSD, positions_a_BS)
     na_BSD = self.ffn_norm(xa_BSD)
-    choice_a, stats_a = self.ffn.route(na_BSD, positions_a_BS)
+    assignment_a, stats_a = self.ffn.route(na_BSD, positions_a_BS)
     # B's attention after A's routing: otherwise XLA merges GEMMs of the two halves that share weights (the
     # router's, the projections') into one, which waits for both halves: A's dispatch would then wait for
     # B's attention instead of running beside it.
-    xb_BSD, na_BSD, choice_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, choice_a))
-    ya_BSD = self.ffn.routed_experts(na_BSD, choice_a, replicas)
+    xb_BSD, na_BSD, assignment_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, assignment_a))
+    ya_BSD = self.ffn.routed_experts(na_BSD, assignment_a, replicas)
     xb_BSD = self._attention_block(xb_BSD, positions_b_BS)
     nb_BSD = self.ffn_norm(xb_BSD)
-    choice_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS)
-    yb_BSD = self.ffn.routed_experts(nb_BSD, choice_b, replicas)
+    assignment_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS)
+    yb_BSD = self.ffn.routed_experts(nb_BSD, assignment_b, replicas)
     if self.ffn.shared is not None:
       ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
       nb_BSD, ya_BSD = jax.lax.optimization_barrier((nb_BSD, ya_BSD))  # the same for the shared experts
       yb_BSD = yb_BSD + self.ffn.shared(nb_BSD)
-    return ((constrain(xa_BSD + ya_BSD, _RESIDUAL), constrain(xb_BSD + yb_BSD, _RESIDUAL)),
+    return ((constrain(xa_BSD + ya_BSD, _RESIDUAL_STREAM), constrain(xb_BSD + yb_BSD, _RESIDUAL_STREAM)),
             (positions_a_BS, positions_b_BS)), merge_halves(stats_a, stats_b)
 
   def _attention_block(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
-    return constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL)
+    return constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL_STREAM)
 
 
 # Two halves of a batch's rows, and their positions: ((a_BSD, b_BSD), (positions_a_BS, positions_b_BS)).
@@ -127,8 +127,8 @@ class LayerStack(nnx.Module):
     self.moe = not dense
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
-               residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
-    """Runs the layers in order; MoE statistics come back stacked, one row per layer. `residual`: the error
+               grad_residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
+    """Runs the layers in order; MoE statistics come back stacked, one row per layer. `grad_residual`: the error
     feedback of the experts' compressed gradient sum ([layers, replicas, ...] per expert weight), or None.
 
     Where the plan compresses that sum (sharding/gradient_sync.py), the experts' weights of every layer
@@ -143,7 +143,7 @@ class LayerStack(nnx.Module):
     if self.moe:
       ffn = self.layer.ffn
       replicas = expert_parallel.expert_replicas(ExpertWeights(ffn.gate_EDF[...], ffn.up_EDF[...],
-                                                               ffn.down_EFD[...]), residual)
+                                                               ffn.down_EFD[...]), grad_residual)
     if not (self.moe and _two_halves()):
 
       def one_layer(x_BSD, layer):
@@ -157,9 +157,9 @@ class LayerStack(nnx.Module):
       state, replicas = layer
       return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas)
 
-    halves = (split_halves(x_BSD, _RESIDUAL), split_halves(positions_BS, _RESIDUAL[:2]))
+    halves = (split_halves(x_BSD, _RESIDUAL_STREAM), split_halves(positions_BS, _RESIDUAL_STREAM[:2]))
     ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, (stacked, replicas))
-    return join_halves(xa_BSD, xb_BSD, _RESIDUAL), stats
+    return join_halves(xa_BSD, xb_BSD, _RESIDUAL_STREAM), stats
 
 
 @dataclasses.dataclass
@@ -198,18 +198,18 @@ class Transformer(nnx.Module):
     return constrain(logits_BSV, output.LOGITS), aux
 
   def hidden_states(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
-                    residual: ExpertWeights | None = None) -> tuple[jax.Array, ModelAux]:
+                    grad_residual: ExpertWeights | None = None) -> tuple[jax.Array, ModelAux]:
     """The final-normed float32 hidden states [B, S, D], which the output layer turns into logits, and the
-    MoE statistics. `residual`: the MoE layers' error-feedback inputs (LayerStack), given by train steps."""
+    MoE statistics. `grad_residual`: the MoE layers' error-feedback inputs (LayerStack), given by train steps."""
     dtype = jnp.dtype(self.cfg.dtype)
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
-    x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL)
+    x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL_STREAM)
     if self.dense_layers is not None:
       x_BSD, _ = self.dense_layers(x_BSD, positions_BS)
     stats = None
     if self.moe_layers is not None:
-      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, residual)
+      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, grad_residual)
     return self.final_norm(x_BSD).astype(jnp.float32), _collect(stats, self.cfg.moe.num_experts)
 
   def output_weight(self) -> tuple[jax.Array, bool]:
@@ -250,7 +250,7 @@ def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
 
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
                   mask_BS: jax.Array | None = None, positions_BS: jax.Array | None = None,
-                  residual: ExpertWeights | None = None) -> dict[str, jax.Array]:
+                  grad_residual: ExpertWeights | None = None) -> dict[str, jax.Array]:
   """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly.
 
   The loss is a sum over tokens, so their order does not matter: a caller may permute tokens, targets and
@@ -260,7 +260,7 @@ def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Arra
   The cross-entropy is computed from the final hidden states in chunks of tokens (models/output.py), so
   the float32 logits [B, S, V] never exist whole at a large vocabulary (`ModelConfig.logits_chunk_bytes`)."""
   mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
-  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, residual)
+  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, grad_residual)
   weight, tied = model.output_weight()
   ce_sum = output.cross_entropy_sum(x_BSD, weight, targets_BS, mask_BS, tied=tied,
                                     chunk_bytes=model.cfg.logits_chunk_bytes)

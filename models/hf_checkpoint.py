@@ -1,9 +1,10 @@
 """Hugging Face checkpoints in: `config.json` to a ModelConfig, safetensors shards to sharded parameters.
 
-Architectures (`config.json`'s "architectures"): MixtralForCausalLM and Qwen3MoeForCausalLM, computed as
-`transformers` computes them (Qwen3: per-head QK-norm, `norm_topk_prob`; dense layers allowed only as
-the first layers, meshmoe's `num_dense_layers`). Anything else is refused with the reason, never
-approximated.
+Architectures (`config.json`'s "architectures"): MixtralForCausalLM, Qwen3MoeForCausalLM and
+DeepseekV3ForCausalLM, computed as `transformers` computes them (Qwen3: per-head QK-norm, `norm_topk_prob`;
+DeepSeek-V3: multi-head latent attention, shared experts, group-limited routing with selection biases;
+dense layers allowed only as the first layers, meshmoe's `num_dense_layers`). Anything else is refused
+with the reason, never approximated.
 
 Loading streams: each device's block of each parameter is assembled from the Hugging Face tensors that
 hold it (one layer's, one expert's), read one at a time with `os.pread` (only the rows the block needs,

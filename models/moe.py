@@ -39,8 +39,9 @@ def merge_halves(a: MoEStats, b: MoEStats) -> MoEStats:
                   (a.dropped_fraction + b.dropped_fraction) / 2, score_mean_E)
 
 
-# A routing decision: (experts_BSK int32, weights_BSK float32).
-ExpertChoice = tuple[jax.Array, jax.Array]
+# Each token's experts and combine weights, as `route` decides them: (experts_BSK int32, weights_BSK float32).
+# (Not the plan's ExpertChoice, which is how the expert op runs: sharding/plan.py.)
+ExpertAssignment = tuple[jax.Array, jax.Array]
 
 
 class MoEBlock(nnx.Module):
@@ -59,13 +60,13 @@ class MoEBlock(nnx.Module):
                replicas: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats]:
     """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted; `replicas`:
     see `routed_experts`."""
-    choice, stats = self.route(x_BSD, positions_BS)
-    y_BSD = self.routed_experts(x_BSD, choice, replicas)
+    assignment, stats = self.route(x_BSD, positions_BS)
+    y_BSD = self.routed_experts(x_BSD, assignment, replicas)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
     return y_BSD, stats
 
-  def route(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> tuple[ExpertChoice, MoEStats]:
+  def route(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> tuple[ExpertAssignment, MoEStats]:
     """Each token's experts (id E where capacity drops the assignment) and combine weights."""
     b, s, _ = x_BSD.shape
     num_experts = self.cfg.num_experts
@@ -81,11 +82,11 @@ class MoEBlock(nnx.Module):
     stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction, routing.score_mean_E)
     return (experts_BSK, routing.weights_TK), stats
 
-  def routed_experts(self, x_BSD: jax.Array, choice: ExpertChoice,
+  def routed_experts(self, x_BSD: jax.Array, assignment: ExpertAssignment,
                      replicas: ExpertWeights | None = None) -> jax.Array:
     """The routed experts' outputs, combined per token (the parallel op of the active plan). `replicas`: these
     weights as per-replica copies for a compressed gradient sum (expert_parallel.expert_replicas), or None."""
-    experts_BSK, weights_BSK = choice
+    experts_BSK, weights_BSK = assignment
     w = ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
     y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden, replicas)
     return constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))

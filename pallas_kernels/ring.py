@@ -3,7 +3,7 @@
 A ring is one or several mesh axes (`axes`), called from inside `jax.shard_map`. Device i of the ring is
 the linear index over those axes, row-major in the order given: the order of
 `jax.lax.all_gather(..., axes, tiled=True)`, `jax.lax.axis_index(axes)` and `ppermute`'s pairs, so a
-kernel and its XLA reference agree on who holds which block.
+kernel and its plain-collective version (the op's reference.py) agree on who holds which block.
 
 Backends of every op (`api.py` picks one):
 - "collectives": plain jax.lax collectives and jnp GEMMs (reference.py), autodiff as usual;

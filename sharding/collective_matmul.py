@@ -25,7 +25,7 @@ behind one block's matmul.
 
 Steps are chained with optimization barriers (`_after`). The matmuls are otherwise independent and share
 the weights: XLA merges them into one matmul over the whole gathered block, before or after the ring,
-and runs the transfers synchronously with nothing to overlap (seen in the compiled H100 program). So in
+and runs the transfers synchronously with nothing to overlap (as the compiled H100 program shows). So in
 the all-gather ring a received block is used, and forwarded, only once the matmuls before it are done
 (its own step's matmul never gates its transfer), and in the reduce-scatter ring a partial product is
 computed only once the accumulator before it has been formed (and is travelling). In the compiled H100
@@ -42,7 +42,7 @@ Bytes per device and call: each direction of the ring carries whole blocks, so a
 blocks in all, (t-1)/t of the gathered activation (all-gather matmul) or of the [B, t*S, D] partial sums
 (reduce-scatter matmul), the same bytes as the reference tier's all_gather / psum_scatter, split over
 both neighbours' links; the backward pass moves the same bytes with the roles swapped. Memory: the
-forward of allgather_matmul keeps the gathered x for the weight gradients, as the reference does.
+forward of allgather_matmul keeps the gathered x for the weight gradients, as the reference tier's does.
 
 All operands must vary over the same mesh axes (jax.lax.pcast them first): the custom_vjp's cotangents
 then have the primals' types.

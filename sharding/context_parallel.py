@@ -40,7 +40,7 @@ early chunk r and late chunk 2n-1-r; the block at step s comes from device src =
 So every step after the first computes two quarter blocks, (q chunk early if src < r else late, k early)
 and (late q, k early if src < r else late), chosen at run time from r and the step with static shapes.
 Each step's blocks wait for the statistics of the steps before (an optimization barrier), so XLA cannot
-merge the steps' score matmuls into one that waits for every transfer, as it does for the reference ring.
+merge the steps' score matmuls into one that waits for every transfer, as it does for the reference tier's ring.
 Bytes moved are the plain ring's. `allgather` (already causal) and `ulysses` (all-to-alls of whole
 tensors, nothing to overlap within the op) run the same implementation in every tier.
 

@@ -21,12 +21,12 @@ exchange_formats.py converts on both sides of the same exchanges.
 
 Dropless needs receive buffers for the worst case (ep*S rows); the grouped GEMMs compute only the rows
 routing sent (the CPU's blocked GEMM in blocks sized for balanced routing, A rows, plus overflow tiles;
-tokamax's GPU kernels only the tiles holding rows).
+the GPU kernels only the tiles holding rows).
 Capacity mode marks dropped assignments with expert id E before calling here: they are never sent.
 
 Expert-tensor parallelism: when the rules also split the experts' width (`exp_mlp`) over some axes, each
 device computes partial sums over its slice of the width; they are psum-ed, or reduce-scattered back to the
-residual layout where the tokens were split over those axes (they are all-gathered first; `tp_sp`).
+residual stream's layout where the tokens were split over those axes (they are all-gathered first; `tp_sp`).
 
 Weights stored split along D (the fsdp preset, `mesh.weight_storage`) enter the op as stored and are
 all-gathered here, cast to the compute dtype first (`_gather_stored`): the gathers move the compute dtype
@@ -122,12 +122,11 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
 
 def _gather_stored(w: ExpertWeights, x_BSD: jax.Array, axes: Axes) -> ExpertWeights:
   """The expert weights stored split along D over `axes` (FSDP, `mesh.weight_storage`), whole along D, in
-  the compute dtype. Gathered here rather than by GSPMD at the op's boundary, where XLA gathered float32
-  in the remat'd backward (twice the bytes; the forward's convert came first) and summed the gradient
-  with an all-reduce over `axes` before slicing it to storage. Here each gather is of the cast shard and
-  its transpose is a reduce-scatter: half an all-reduce's bytes. The shard is marked varying over the
-  tokens' other axes first, so that the gradient's sum over those runs after the reduce-scatter, on the
-  shard."""
+  the compute dtype. The op gathers them itself rather than leave it to GSPMD at its boundary: each gather
+  moves the shard already cast to the compute dtype (GSPMD's gathers float32 in the remat'd backward, twice
+  the bytes), and its transpose is a reduce-scatter of the gradient (GSPMD's all-reduces it over `axes`,
+  then slices it to storage: twice the bytes). The shard is marked varying over the tokens' other axes
+  first, so that the gradient's sum over those runs after the reduce-scatter, on the shard."""
   others = parallel.without(parallel.varying_axes(x_BSD), axes)
 
   def gather(a: jax.Array, dim: int) -> jax.Array:
@@ -142,18 +141,18 @@ def _gather_stored(w: ExpertWeights, x_BSD: jax.Array, axes: Axes) -> ExpertWeig
   return ExpertWeights(gather(w.gate_EDF, 1), gather(w.up_EDF, 1), gather(w.down_EFD, 2))
 
 
-def expert_replicas(w_L: ExpertWeights, residual: ExpertWeights | None) -> ExpertWeights | None:
+def expert_replicas(w_L: ExpertWeights, grad_residual: ExpertWeights | None) -> ExpertWeights | None:
   """An MoE layer stack's expert weights ([layers, ...] each) as one copy per gradient replica, [layers, R,
-  ...], whose gradients are summed compressed after the layer loop, with `residual` ([layers, R, ...] each,
+  ...], whose gradients are summed compressed after the layer loop, with `grad_residual` ([layers, R, ...] each,
   or None) as its error feedback (sharding/gradient_sync.py); None where the active plan does not compress.
-  As stored (float32): each device's copy is then a view of its parameters (cast to the compute dtype
-  first, the copies took 2.1 GB more on moe_1b, deviceless)."""
+  The copies are of the weights as stored (float32), so each device's copy is a view of its parameters;
+  copies of the weights cast to the compute dtype would be new arrays (2.1 GB more on moe_1b, deviceless)."""
   plan = current()
   if plan is None or plan.gradient_compression == "none":
     return None
   specs = ExpertWeights(*(plan.param_spec(("layers", *names)) for names in (
       ("exp", "embed", "exp_mlp"), ("exp", "embed", "exp_mlp"), ("exp", "exp_mlp", "embed"))))
-  return gradient_sync.per_replica(w_L, residual, plan.mesh, specs, plan.gradient_compression,
+  return gradient_sync.per_replica(w_L, grad_residual, plan.mesh, specs, plan.gradient_compression,
                                    plan.gradient_replica_axes, axis=1)
 
 
@@ -172,9 +171,9 @@ def _all_to_all(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayou
   """Steps 1-5 for one device's tokens: in one pass, or in `choice.chunks` pipelined chunks."""
   b, s, d = x_BSD.shape
   k = experts_BSK.shape[-1]
-  # Cast and mark the weights once for all chunks. Left to each chunk's GEMM, autodiff sums each chunk's
-  # bfloat16 expert gradient over the token axes on its own, and XLA joins those sums into one float32
-  # all-reduce: twice the reference's bytes (+1.2 GB per step on moe_1b, seen in the H100 AOT report).
+  # Cast and mark the weights once for all chunks, so that autodiff sums the expert gradient over the token
+  # axes once, in bfloat16. Cast in each chunk's GEMM, each chunk's gradient would be summed on its own and
+  # XLA would join those sums into one float32 all-reduce: twice the bytes of the one sum.
   w = jax.tree.map(lambda a: parallel.vary_over(a.astype(x_BSD.dtype), parallel.varying_axes(x_BSD)), w)
   exchange = _EXCHANGES[choice.exchange]
   ep = lay.ep
@@ -360,9 +359,9 @@ def _fresh_zeros(rows_XD, num_rows: int) -> tuple[jax.Array, jax.Array]:
   is loop-invariant: XLA hoists it out of the layer scan, merges it with the other layers' and the
   backward's, and keeps them all alive through the step in the memory it reserves for collectives (moe_1b
   tp_sp on 8 H100s: five receive buffers, 2.7 GB). Passing the zero through an optimization barrier with
-  the rows to send makes the buffer a value of this exchange, made no earlier than its rows (tied to the
-  routing counts instead, every chunk's buffer of the xla tier was made at the start of the layer: 7
-  half-size buffers live at once on tp_sp, against 4 now). zeros_like: the result varies over the rows'
+  the rows to send makes the buffer a value of this exchange, made no earlier than its rows, so only the
+  chunks in flight hold one (a zero tied to the routing counts instead would make every chunk's buffer
+  of the xla tier at the start of the layer, all live at once). zeros_like: the result varies over the rows'
   mesh axes, as ragged_all_to_all's result must (a device-invariant `output` would type it invariant, and
   the backward would sum every device's cotangent into each)."""
   rows_XD, zero = jax.lax.optimization_barrier((rows_XD, jnp.zeros_like(rows_XD, shape=())))

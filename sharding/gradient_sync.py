@@ -30,13 +30,14 @@ memory). A direct call of the MoE op (no layer stack) makes its own copies, with
 
 Error feedback (`parallel.gradient_error_feedback`, for the low-bit formats, off by default): each device
 keeps what its first-phase compression lost, e = v - C(v) for the value v it sent, and adds it to its next
-gradient before compressing, so nothing is lost for good (1-bit Adam, EF-SGD). The residual is float32, a
-copy of the device's expert weights per device, stored [layers, R, ...] split like the weights and over
-the replica axes, in the train state beside the optimizer state (checkpointed with it). It enters the
-computation as an input of `per_replica`, and its "gradient" is the new residual. Each micro-batch's sum
-is one round: the train step feeds what one micro-batch's sum lost into the next one's. With AdamW it did
-not help on tiny_moe (experiments/benchmarks/RESULTS.md): Adam's per-value normalisation already makes its
-steps sign-like, and the residual's delayed gradients upset its second moment.
+gradient before compressing, so nothing is lost for good (1-bit Adam, EF-SGD). What is kept, the
+error-feedback residual `grad_residual` (TrainState.grad_residual), is float32, a copy of the device's expert
+weights per device, stored [layers, R, ...] split like the weights and over the replica axes, in the train
+state beside the optimizer state (checkpointed with it). It enters the computation as an input of
+`per_replica`, and its "gradient" is the new grad_residual. Each micro-batch's sum is one round: the train
+step feeds what one micro-batch's sum lost into the next one's. With AdamW it does not help on tiny_moe
+(experiments/benchmarks/RESULTS.md): Adam's per-value normalisation already makes its steps sign-like, and
+the residual's delayed gradients upset its second moment.
 
 Error bounds (per element, per use): int8 loses at most half a step, max|block| / 254, in each phase;
 bfloat16 rounding is relative, 2^-9 of the value, plus the psum's own bfloat16 additions. The sign
@@ -61,11 +62,11 @@ def replica_spec(spec: PartitionSpec, axes: tuple[str, ...], axis: int = 0) -> P
   return PartitionSpec(*entries[:axis], axes, *entries[axis:])
 
 
-def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...], axis: int = 0):
+def per_replica(w, grad_residual, mesh, specs, compression: str, axes: tuple[str, ...], axis: int = 0):
   """`w` (a pytree of weights, each placed as `specs` says) as one copy per replica over mesh `axes`,
   stacked at `axis` (size R there); the backward sums the replicas' gradients in `compression`, adding the
-  error-feedback `residual` (a pytree like the copies; None: no feedback) before compressing and returning
-  what the compression lost as the residual's cotangent."""
+  error-feedback `grad_residual` (a pytree like the copies; None: no feedback) before compressing and returning
+  what the compression lost as the cotangent of `grad_residual`."""
   replicas = math.prod(mesh.shape[a] for a in axes)
   replica_specs = jax.tree.map(lambda spec: replica_spec(spec, axes, axis), specs,
                                is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -76,16 +77,16 @@ def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...
         NamedSharding(mesh, spec)), w, replica_specs)
 
   @jax.custom_vjp
-  def replicate(w, residual):
+  def replicate(w, grad_residual):
     return copies(w)
 
-  def forward(w, residual):
-    return copies(w), residual
+  def forward(w, grad_residual):
+    return copies(w), grad_residual
 
-  def backward(residual, grads):
+  def backward(grad_residual, grads):
     leaves, tree = jax.tree.flatten(grads)
     spec_leaves = tree.flatten_up_to(replica_specs)
-    feedback = residual is not None
+    feedback = grad_residual is not None
 
     def body(*args):
       gs, es = args[:len(leaves)], (args[len(leaves):] if feedback else [None] * len(leaves))
@@ -93,7 +94,7 @@ def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...
       summed = [compressed_sum(mine(g), mine(e), compression, axes, replicas) for g, e in zip(gs, es)]
       return [total for total, _ in summed], [jnp.expand_dims(lost, axis) for _, lost in summed]
 
-    operands = leaves + (tree.flatten_up_to(residual) if feedback else [])
+    operands = leaves + (tree.flatten_up_to(grad_residual) if feedback else [])
     # check_vma=False: the sums are the same on every replica (each dequantises the same gathered
     # bytes in the same order), which the out_specs state and the type system cannot see.
     totals, lost = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec_leaves * (2 if feedback else 1)),
@@ -101,14 +102,14 @@ def per_replica(w, residual, mesh, specs, compression: str, axes: tuple[str, ...
     return tree.unflatten(totals), (tree.unflatten(lost) if feedback else None)
 
   replicate.defvjp(forward, backward)
-  return replicate(w, residual)
+  return replicate(w, grad_residual)
 
 
-def compressed_sum(g: jax.Array, residual: jax.Array | None, compression: str, axes: tuple[str, ...],
+def compressed_sum(g: jax.Array, grad_residual: jax.Array | None, compression: str, axes: tuple[str, ...],
                    replicas: int) -> tuple[jax.Array, jax.Array]:
   """(the sum over mesh `axes` (`replicas` devices) of every replica's g, what this device's compression
-  lost), per device inside shard_map. `residual` (or zero) is added to g before compressing."""
-  v = g.astype(jnp.float32) + (0.0 if residual is None else residual)
+  lost), per device inside shard_map. `grad_residual` (or zero) is added to g before compressing."""
+  v = g.astype(jnp.float32) + (0.0 if grad_residual is None else grad_residual)
   if compression == "bfloat16":
     sent = v.astype(jnp.bfloat16)
     return jax.lax.psum(sent, axes).astype(jnp.float32), v - sent.astype(jnp.float32)

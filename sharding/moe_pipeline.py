@@ -27,9 +27,9 @@ model width, S = T*min(K, E/ep) the slot one peer can fill (expert_parallel.peer
 buffer (and on CPU its padded return buffer; GPUs return into the chunk's own rows) is ep x S_c rows instead
 of ep x S, so one chunk's padded buffers (CPU), and the blocks the blocked CPU GEMM computes in one go, shrink
 by about C (how many chunks' buffers are live at once is the scheduler's choice). Bytes each device moves per
-call are the reference's: the tokens there and back, 2 x (ep-1) x S x D elements of their dtype on CPU (the
+call are the reference tier's: the tokens there and back, 2 x (ep-1) x S x D elements of their dtype on CPU (the
 padded slots for the other devices; on GPU ragged_all_to_all sends only the real rows, twice), plus one
-group-size all_to_all of (ep-1) x E/ep int32 per chunk, where the reference has one in all. The backward pass
+group-size all_to_all of (ep-1) x E/ep int32 per chunk, where the reference tier has one in all. The backward pass
 moves the same again.
 """
 

@@ -67,7 +67,9 @@ from meshmoe.sharding.projection_blocks import attention_width, projection_block
 from meshmoe.sharding.rules import Preset, logical_to_spec
 from meshmoe.sharding.shardings import named_shardings
 
-_RESIDUAL = ("act_batch", "act_seq", None)
+# The logical axes of the residual stream's tokens [B, S, ...], its last dimension left out: where the
+# parallel ops find each device's tokens.
+_STREAM_TOKENS = ("act_batch", "act_seq", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,11 +272,11 @@ class ParallelPlan:
     sequence, over which project_in gathers it and project_out scatters it back."""
     specs = [self.weight_spec(names) for names in weights_logical]
     tp_axes = tuple(dict.fromkeys(a for spec in specs for a in parallel.all_axes(spec)))
-    seq_axes = parallel.dim_axes(self.activation_spec(_RESIDUAL), 1)
+    seq_axes = parallel.dim_axes(self.activation_spec(_STREAM_TOKENS), 1)
     return tp_axes, parallel.split_suffix(seq_axes, tp_axes, "tensor-parallel gather of the sequence")
 
   def expert_layout(self) -> ExpertLayout:
-    token_spec = self.activation_spec(_RESIDUAL)
+    token_spec = self.activation_spec(_STREAM_TOKENS)
     gate_spec = self.weight_spec(("exp", "embed", "exp_mlp"))
     down_spec = self.weight_spec(("exp", "exp_mlp", "embed"))
     # The storage axes the op gathers over: those that split the tokens (storage over other axes, if any,
@@ -516,9 +518,9 @@ def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
   """Every op's choice for the shapes `config` gives each device (the table, plan.json, the cost model)."""
   m, moe, t = config.model, config.model.moe, config.train
   dtype = jnp.dtype(m.dtype)
-  residual = plan.activation_spec(_RESIDUAL)
-  rows = (t.global_batch_size // t.grad_accum_steps // plan.axis_size(parallel.dim_axes(residual, 0))
-          * (t.seq_len // plan.axis_size(parallel.dim_axes(residual, 1))))
+  token_spec = plan.activation_spec(_STREAM_TOKENS)
+  rows = (t.global_batch_size // t.grad_accum_steps // plan.axis_size(parallel.dim_axes(token_spec, 0))
+          * (t.seq_len // plan.axis_size(parallel.dim_axes(token_spec, 1))))
   ops: dict[str, OpChoice] = {"attention": plan.attention(dtype, attention_width(m))}
   for block in projection_blocks(config):
     tp_axes, gather = plan.projection_axes([names for names, _, _ in block.weights_in])
@@ -576,7 +578,7 @@ def _layer_schedule(plan: ParallelPlan, config: Config, moe: OpChoice) -> OpChoi
   if plan.parallel.layer_schedule == "sequential":
     return OpChoice("sequential", "attention, then the MoE")
   t = config.train
-  batch_axes = parallel.dim_axes(plan.activation_spec(_RESIDUAL), 0)
+  batch_axes = parallel.dim_axes(plan.activation_spec(_STREAM_TOKENS), 0)
   rows = t.global_batch_size // t.grad_accum_steps // plan.axis_size(batch_axes)
   if rows % 2:
     raise ConfigError("parallel.layer_schedule", "two_halves", (

@@ -46,7 +46,9 @@ from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescat
 from meshmoe.sharding import collective_matmul, parallel
 from meshmoe.sharding.shardings import current
 
-_RESIDUAL = ("act_batch", "act_seq", None)
+# The logical axes of the residual stream's tokens [B, S, ...], its last dimension left out: where the
+# parallel ops find each device's tokens.
+_STREAM_TOKENS = ("act_batch", "act_seq", None)
 
 
 class _Layout(NamedTuple):
@@ -66,7 +68,7 @@ def project_in(x_BSD: jax.Array, weights: Sequence[jax.Array],
   plan = current()
   if plan is None:
     return [_matmul_in(x_BSD, w) for w in weights]
-  x_spec = plan.activation_spec(_RESIDUAL)
+  x_spec = plan.activation_spec(_STREAM_TOKENS)
   w_specs = [plan.weight_spec(names) for names in logical]
   tp_axes, gather = plan.projection_axes(logical)
   seq_axes = parallel.dim_axes(x_spec, 1)
@@ -95,7 +97,7 @@ def project_out(y: jax.Array, w: jax.Array, logical: Sequence[str | None]) -> ja
   plan = current()
   if plan is None:
     return _matmul_out(y, w)
-  res_spec = plan.activation_spec(_RESIDUAL)
+  res_spec = plan.activation_spec(_STREAM_TOKENS)
   w_spec = plan.weight_spec(logical)
   tp_axes, scatter = plan.projection_axes([logical])
   seq_axes = parallel.dim_axes(res_spec, 1)

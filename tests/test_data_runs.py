@@ -55,7 +55,7 @@ def test_a_mixture_killed_and_resumed_on_two_processes(tmp_path):
   process.wait()
   assert runs.last_step(workdir) < STEPS
   # An unfinished save, as a kill during a save leaves (this one's may have finished): both processes must
-  # agree to set it aside before either restores (they once did not, and the run hung).
+  # agree to set it aside before either restores (a process that does not leaves the other waiting: a hang).
   (workdir / "checkpoints" / "7.orbax-checkpoint-tmp-1").mkdir()
   result = runs.run(runs.launch_command(workdir, *flags, processes=2, devices=4))
   assert "resuming from the checkpoint of step" in result.stdout

@@ -209,7 +209,7 @@ def test_the_plan_s_grouped_gemm_kernels_ffn_matches_a_float32_loop_over_experts
 
 # Each form's chosen kernel alone at every shipped config's expert widths (rows cut to keep the test short),
 # on uneven groups with an empty and a one-row group, against gpu_measure's float32 padded reference, per
-# group. tokamax's Hopper weight gradient was 0.09-0.17 off here where every correct kernel gave 1.7e-3.
+# group. tokamax 0.0.17's Hopper weight gradient is 0.09-0.17 off here, every correct kernel 1.7e-3 (H200).
 @pytest.mark.parametrize("config", list(gpu_measure.SHAPES))
 @pytest.mark.parametrize("form", ["forward", "input_gradient", "weight_gradient"])
 def test_each_form_s_chosen_kernel_matches_float32_at_every_shipped_shape(config, form):

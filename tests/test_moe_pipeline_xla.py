@@ -135,8 +135,8 @@ _SCHEDULER = {"xla_gpu_enable_latency_hiding_scheduler": True,
 
 
 def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_module.HloModule:
-  """The op compiled deviceless for 8 H100s (grouped GEMM "auto": tokamax's kernels for bfloat16 tokens, the
-  blocked GEMM for float32; exchanges ragged_all_to_all). Weights are float32, as the model's parameters;
+  """The op compiled deviceless for 8 H100s (grouped GEMM "auto": the measured table's kernels for bfloat16
+  tokens, the blocked GEMM for float32; exchanges ragged_all_to_all). Weights are float32, as the model's parameters;
   `tokens_dtype` is the compute dtype."""
   mesh = gpu_mesh(sizes, AXES)
   plan = ParallelPlan.for_mesh(mesh, preset, parallel)
@@ -208,24 +208,25 @@ def test_h100_program_overlaps_a_token_exchange_with_a_gemm(sizes, preset, chunk
 @pytest.mark.parametrize("parallel", [None, _xla(2, grouped_gemm="auto")], ids=["reference", "xla"])
 def test_h100_backward_sums_no_exchange_buffer_over_devices(parallel):
   """ragged_all_to_all types its result like its `output` operand; given an invariant jnp.zeros, the result
-  passed for one value on every device and the backward psum-ed its cotangent over all devices (wrong
-  gradients, and an all-reduce of every exchange buffer). Under `ep` nothing needs an all-reduce."""
+  would pass for one value on every device and the backward would psum its cotangent over all devices
+  (wrong gradients, and an all-reduce of every exchange buffer). Under `ep` nothing needs an all-reduce."""
   module = _h100((1, 8, 1, 1), "ep", parallel, grad=True)
   assert _count(module, ("all-reduce", "all-reduce-start")) == 0
 
 
 def test_h100_expert_gradients_are_summed_in_the_compute_dtype_once():
   """bfloat16 tokens, float32 weights (the model's mixed precision), on a layout where the expert weights
-  are the same on both data rows, so their gradient is summed over `data`. Each chunk's GEMM used to cast
-  the weights and mark them as varying itself: autodiff then summed each chunk's bfloat16 gradient on its
-  own and XLA joined the sums into one float32 all-reduce, twice the reference's bytes."""
+  are the same on both data rows, so their gradient is summed over `data`. The xla tier's chunks share one
+  cast of the weights: were each chunk's GEMM to cast and mark them itself, autodiff would sum each chunk's
+  bfloat16 gradient on its own and XLA would join the sums into one float32 all-reduce, twice the bytes of
+  the reference tier's one sum."""
   def all_reduce_bytes(parallel):
     module = _h100((2, 4, 1, 1), "ep", parallel, grad=True, tokens_dtype=jnp.bfloat16)
     return hlo_collectives.bytes_by_kind(hlo_collectives.collectives(module, 8)).get("all-reduce", 0.0)
 
-  reference = all_reduce_bytes(None)
-  assert reference > 0
-  assert all_reduce_bytes(_xla(2, grouped_gemm="auto")) == pytest.approx(reference)
+  reference_tier = all_reduce_bytes(None)
+  assert reference_tier > 0
+  assert all_reduce_bytes(_xla(2, grouped_gemm="auto")) == pytest.approx(reference_tier)
 
 
 def _loop_carried(computation: hlo_module.Computation, name: str) -> bool:

@@ -17,12 +17,11 @@ Parameters (meshmoe.analysis.cost_model.active_params): 46,702,792,704 total and
 in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.train_step_flops at
 seq_len 4096): 79.7 GFLOP per token.
 
-Compiled for 64 H100s (experiments/benchmarks/RESULTS.md, 2026-11-24 to 2026-11-26): with the fused
-kernels (parallel.impl "pallas", the default here; on CPUs it runs the xla tier, with a warning) the
-step peaks at 48.8 GB per device with the 32 micro-batches set here and 57.1 GB at 16 (67.6 GB at 16
-before SwiGLU moved into the kernels); with the xla tier (tokamax's grouped GEMM, chunked
-ragged all-to-alls) at 51.4 GB with the 32 micro-batches set here (97.3 GB at 16 on an earlier build: the
-worst-case receive buffers of the dropless exchange scale with the micro-batch).
+Compiled for 64 H100s with the 32 micro-batches set here (experiments/benchmarks/RESULTS.md), the step
+peaks at 48.8 GB per device with the fused kernels (parallel.impl "pallas", the default here) and at
+51.4 GB with the xla tier (grouped GEMM kernels, chunked ragged all-to-alls), which "pallas" runs where no
+kernel applies (on CPUs, with a warning). Fewer micro-batches need more memory: the worst-case receive
+buffers of the dropless exchange grow with the micro-batch.
 
 Choices:
 - mesh: preset "megascale" with expert=8 (one expert per rank, as there are 8), tensor=4, data=-1 (2 at

@@ -35,14 +35,12 @@ Choices:
 - train: 4096-token sequences (Qwen3's pre-training stages 1-2), 1024 per step (4.2M tokens; the
   report does not give the batch) in 32 micro-batches (memory, below). steps only sets the schedule
   length (~1T tokens of the published 36T).
-- parallel.impl "pallas" (the default here), compiled for 64 H100s (experiments/benchmarks/RESULTS.md,
-  2026-11-24): 16 micro-batches are the first that fit, peak 75.4 GB per device (89%). The xla tier
-  (tokamax's grouped GEMM, chunked ragged all-to-alls) fits at the 32 set here: 62.6 GB (2026-11-25;
-  89.3 GB before its exchange slots were halved, expert_parallel.peer_slot, 76.4 GB before its exchange
-  buffers were made in each layer, 68.2 GB with XLA's all-gather pipelining, src/runtime/xla_flags.py).
-  With the reference tier XLA multiplies each device's dropless worst-case receive buffer by all 4 local
-  experts densely (101x the useful FLOPs, 385 GB); the fused kernels at 8 micro-batches peak at 97.7 GB
-  (remat "dots") or 94.8 GB (remat "full"). (On CPUs "pallas" runs the xla tier, with a warning.)
+- parallel.impl "pallas" with the 32 micro-batches set here, so that the step fits an 80 GB H100 whichever
+  tier runs it: the fused kernels where they apply, else the xla tier (grouped GEMM kernels, chunked ragged
+  all-to-alls; on CPUs "pallas" runs it, with a warning). The xla tier peaks at 62.6 GB per device
+  compiled for 64 H100s (experiments/benchmarks/RESULTS.md); the dropless exchange's worst-case receive
+  buffers grow with the micro-batch. The reference tier does not fit: XLA multiplies each device's
+  dropless worst-case receive buffer by all 4 local experts densely (101x the useful FLOPs).
 - optimizer: the report gives no optimizer settings; AdamW, peak lr 3e-4, 2000 warmup steps, cosine to
   10%, betas (0.9, 0.95), weight decay 0.1, clip 1.0.
 - router losses: aux_loss_weight 0.008 is the Hugging Face router_aux_loss_coef 0.001 times top_k: HF's

@@ -12,7 +12,7 @@ return kernel reads those. The gradient needs gate and up again, in one of two w
   device's share of the rows).
 - "keep": the dispatch kernel also stores gate and up, and the backward's elementwise gradient reads them.
 
-One definition of the arithmetic, for the kernels on both machines and the reference.
+One definition of the arithmetic, for the kernels on both machines and the op's reference.py.
 Legend as in ../moe_routing.py: R receive rows, D model width, F expert width.
 """
 

@@ -282,9 +282,8 @@ def _gather_transposes(config: Config, plan: ParallelPlan) -> float:
   """Expert weights stored split along `embed` over axes that do not split the tokens reach the MoE op
   whole along it, gathered by GSPMD at the op's boundary: XLA all-gathers each layer's slice along `embed`,
   which it first makes the major dimension, and it transposes the stacked float32 weights of all layers
-  once, outside the layer loop (3 such stacks in DeepSeek-V3's compiled step on 256 H100s, 9.5 GB, when
-  every storage split was gathered there). The op gathers the other storage axes itself, along a new
-  leading dimension (expert_parallel._gather_stored): no transposed stack."""
+  once, outside the layer loop: one such stack per expert matrix (gate, up, down). The op gathers the other
+  storage axes itself, along a new leading dimension (expert_parallel._gather_stored): no transposed stack."""
   logical = ("exp", "embed", "exp_mlp")
   stored, used = _shards(plan, plan.param_spec(logical)), _shards(plan, plan.weight_spec(logical))
   if stored == used * plan.axis_size(plan.expert_layout().weight_gather):

@@ -15,18 +15,17 @@ Presets:
   inside loops (the layer scan, the micro-batch loop) are pipelined across iterations (gradient
   reduce-scatters and all-reduces trail by one layer); small collectives are combined up to 128 MiB (many
   tiny gradient all-reduces cost their latency each); collectives get the highest-priority stream so
-  compute kernels do not starve them. All-gathers are not pipelined: across the nested micro-batch and
-  layer loops of gradient accumulation XLA ran the whole forward layer loop twice per micro-batch to do
-  it (compiled for 64 H100s: Mixtral-8x7B 11% more FLOPs, 62.5 instead of 51.8 GB, overlap 0.45 against
-  0.55; Qwen3-30B-A3B 25% more FLOPs, 68.2 instead of 63.7 GB, overlap 0.23 against 0.57), and without a
-  micro-batch loop it gained little (moe_1b on 8 H100s: the same memory on every preset, overlap the same
-  except `fsdp`, 0.749 against 0.734); experiments/benchmarks/RESULTS.md, 2026-11-25. A user's
-  `--xla_gpu_pipeline_all_gather=on` in XLA_FLAGS turns it back on.
+  compute kernels do not starve them. All-gathers are not pipelined: to pipeline them across the nested
+  micro-batch and layer loops of gradient accumulation, XLA runs the whole forward layer loop twice per
+  micro-batch (more FLOPs, more memory and less overlap on Mixtral-8x7B and Qwen3-30B-A3B at 64 H100s),
+  and without a micro-batch loop it gains little; the compiled figures are in
+  experiments/benchmarks/RESULTS.md, 2026-11-25. A user's `--xla_gpu_pipeline_all_gather=on` in XLA_FLAGS
+  turns it on.
 - `overlap_double_buffered`: `overlap` plus double-buffered while loops (XLA unrolls each loop by two so a
   pipelined collective has a buffer to land in). It copies loop-carried buffers: compiled for 8 H100s,
   moe_1b's xla-tier step needs 20.7 instead of 14.1 GB under `ep`, 21.8 instead of 14.3 under `tp_sp`,
   19.2 instead of 15.6 under `megascale` (whose collectives overlap less with it: 0.56 against 0.68), and
-  Mixtral-8x7B's on 64 H100s 15 GB more. Only pure data parallelism gained from it (overlap 0.62 against
+  Mixtral-8x7B's on 64 H100s 15 GB more. Only pure data parallelism gains from it (overlap 0.62 against
   0.53 at the same memory); experiments/benchmarks/RESULTS.md, 2026-11-25.
 - `overlap_windowed_einsum`: `overlap` plus XLA's own collective matmul (windowed einsum) for every
   GSPMD-partitioned einsum whose collective is at least 0 MiB, on multiple streams. The `xla` tier of

@@ -37,13 +37,15 @@ import orbax.checkpoint as ocp
 from meshmoe.config import CheckpointConfig
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
-_RESIDUAL = "grad_residual"  # TrainState's field, and the checkpoint item that holds it
+# TrainState's error-feedback field, the checkpoint item that holds it and the prefix of its arrays'
+# fingerprints: all three are on disk, so the name stays what existing checkpoints use.
+_GRAD_RESIDUAL = "grad_residual"
 
 
-def _without_residual(state: Any) -> tuple[Any, Any]:
-  """(the state without its error-feedback residual, the residual or None)."""
-  residual = getattr(state, _RESIDUAL, None)
-  return (state if residual is None else dataclasses.replace(state, grad_residual=None)), residual
+def _without_grad_residual(state: Any) -> tuple[Any, Any]:
+  """(the state without its error-feedback residual, that residual or None)."""
+  grad_residual = getattr(state, _GRAD_RESIDUAL, None)
+  return (state if grad_residual is None else dataclasses.replace(state, grad_residual=None)), grad_residual
 
 
 class CheckpointError(RuntimeError):
@@ -73,12 +75,12 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: dict, skipped_steps: int = 0) -> None:
     """Starts saving (returns before the write finishes when async); `wait` blocks until it is on disk."""
-    core, residual = _without_residual(state)
+    core, grad_residual = _without_grad_residual(state)
     run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state)}
     items = dict(state=ocp.args.StandardSave(core), data=ocp.args.JsonSave(data_state),
                  run_state=ocp.args.JsonSave(run_state))
-    if residual is not None:
-      items[_RESIDUAL] = ocp.args.StandardSave(residual)
+    if grad_residual is not None:
+      items[_GRAD_RESIDUAL] = ocp.args.StandardSave(grad_residual)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, step: int, target_state: Any) -> Restored:
@@ -122,14 +124,14 @@ class Checkpointer:
 
   def _read(self, step: int, target_state: Any) -> tuple[Restored | None, str | None]:
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-    core, residual = _without_residual(target_state)
+    core, grad_residual = _without_grad_residual(target_state)
     items = {"state": ocp.args.StandardRestore(abstract(core)), "data": ocp.args.JsonRestore()}
     has_run_state = (self.directory / str(step) / "run_state").is_dir()  # older checkpoints have none
     if has_run_state:
       items["run_state"] = ocp.args.JsonRestore()
-    saved_residual = residual is not None and self._residual_fits(step, residual)
-    if saved_residual:
-      items[_RESIDUAL] = ocp.args.StandardRestore(abstract(residual))
+    saved_grad_residual = grad_residual is not None and self._grad_residual_fits(step, grad_residual)
+    if saved_grad_residual:
+      items[_GRAD_RESIDUAL] = ocp.args.StandardRestore(abstract(grad_residual))
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax and tensorstore raise many types; each means "this one is unreadable"
@@ -137,25 +139,25 @@ class Checkpointer:
     run_state = out.run_state if has_run_state else {}
     saved = run_state.get("fingerprints")
     state = out.state
-    if saved_residual:
-      state = dataclasses.replace(state, grad_residual=out[_RESIDUAL])
-    elif residual is not None:
+    if saved_grad_residual:
+      state = dataclasses.replace(state, grad_residual=out[_GRAD_RESIDUAL])
+    elif grad_residual is not None:
       state = dataclasses.replace(state, grad_residual=jax.tree.map(
-          lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), residual))
-    if saved is not None and not saved_residual:  # what is not restored is not checked
-      saved = {name: value for name, value in saved.items() if not name.startswith(_RESIDUAL)}
+          lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), grad_residual))
+    if saved is not None and not saved_grad_residual:  # what is not restored is not checked
+      saved = {name: value for name, value in saved.items() if not name.startswith(_GRAD_RESIDUAL)}
     return Restored(step, state, out.data, run_state.get("skipped_steps", 0), saved), None
 
-  def _residual_fits(self, step: int, residual: Any) -> bool:
-    """Whether checkpoint `step` holds an error-feedback residual of `residual`'s shapes; says why not when
+  def _grad_residual_fits(self, step: int, grad_residual: Any) -> bool:
+    """Whether checkpoint `step` holds an error-feedback residual of `grad_residual`'s shapes; says why not when
     it does not (saved without feedback, or for another number of data replicas): it then starts from zero."""
-    path = self.directory / str(step) / _RESIDUAL
+    path = self.directory / str(step) / _GRAD_RESIDUAL
     if not path.is_dir():
       reason = "none (saved without parallel.gradient_compression's error feedback)"
     else:
       with ocp.PyTreeCheckpointer() as checkpointer:
         tree = checkpointer.metadata(path).item_metadata.tree
-      saved, wanted = _shapes_by_name(tree), _shapes_by_name(residual)
+      saved, wanted = _shapes_by_name(tree), _shapes_by_name(grad_residual)
       if saved == wanted:
         return True
       reason = f"one of shapes {saved}, not {wanted} (another mesh)"
@@ -168,7 +170,7 @@ class Checkpointer:
     if saved is None:
       return None
     actual = {name: value for name, value in fingerprints(restored.state).items()
-              if name in saved or not name.startswith(_RESIDUAL)}
+              if name in saved or not name.startswith(_GRAD_RESIDUAL)}
     wrong = [name for name, value in actual.items() if saved.get(name) != value]
     if wrong or saved.keys() != actual.keys():
       listed = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
@@ -178,7 +180,7 @@ class Checkpointer:
   def _set_aside_unfinished_saves(self) -> None:
     unfinished = sorted(self.directory.glob(f"*{_TMP_MARKER}*"))
     # Every process lists them before process 0 moves any: a process listing later would find none, skip
-    # the barriers of _set_aside, and leave the others waiting there (a resume after a kill mid-save hung).
+    # the barriers of _set_aside, and leave the others waiting there: a resume after a kill mid-save would hang.
     _barrier("meshmoe_listed_unfinished_saves")
     for path in unfinished:
       self._set_aside(path, f"the unfinished save {path.name} (the run stopped while writing it)")

@@ -47,6 +47,7 @@ class TrainState:
   opt_state: Any
   rng: jax.Array  # uint32[2] PRNG key
   # Error feedback of the experts' compressed gradient sum (ExpertWeights of [layers, replicas, ...]), or None.
+  # Its name is on disk: the checkpoint item and fingerprints that hold it (training/checkpointing.py).
   grad_residual: Any = None
 
 
@@ -155,12 +156,12 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
 
 
 def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: ParallelPlan,
-               residual=None) -> dict[str, jax.Array]:
-  """The loss terms of one (micro-)batch (decoder.lm_loss_terms), traced under `plan`; `residual`: the
-  error-feedback input of the experts' compressed gradient sum (its gradient is the new residual)."""
+               grad_residual=None) -> dict[str, jax.Array]:
+  """The loss terms of one (micro-)batch (decoder.lm_loss_terms), traced under `plan`; `grad_residual`: the
+  error-feedback input of the experts' compressed gradient sum (its gradient is the new grad_residual)."""
   with use_plan(plan):
     tokens, targets, mask, positions = in_sequence_order(plan, batch["inputs"], batch["targets"], batch["mask"])
-    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions, residual)
+    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions, grad_residual)
 
 
 def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: ParallelPlan, shardings) -> Callable:
@@ -171,24 +172,24 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     total_tokens = jnp.sum(batch["mask"])
 
-    def loss_of(params, residual, micro):
-      terms = loss_terms(graphdef, params, state.others, micro, plan, residual)
+    def loss_of(params, grad_residual, micro):
+      terms = loss_terms(graphdef, params, state.others, micro, plan, grad_residual)
       return combine_loss_terms(terms, moe, total_tokens, count), terms
 
-    # The residual's "gradient" is the new residual: what the compressed sums lost (gradient_sync.py).
+    # grad_residual's "gradient" is the new grad_residual: what the compressed sums lost (gradient_sync.py).
     grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     if count == 1:
-      (loss, terms), (grads, residual) = grad_fn(state.params, state.grad_residual, batch)
+      (loss, terms), (grads, grad_residual) = grad_fn(state.params, state.grad_residual, batch)
       terms = jax.tree.map(lambda x: x[None], terms)
     else:
       def accumulate(carry, micro):
-        loss_sum, grad_sum, residual = carry
+        loss_sum, grad_sum, grad_residual = carry
         # Each micro-batch's compressed sum is a round of error feedback: what it loses enters the next.
-        (loss, terms), (grads, residual) = grad_fn(state.params, residual, micro)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), residual), terms
+        (loss, terms), (grads, grad_residual) = grad_fn(state.params, grad_residual, micro)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), grad_residual), terms
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), state.grad_residual)
-      (loss, grads, residual), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
+      (loss, grads, grad_residual), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     grad_sq_norms = nonfinite.squared_norms(grads, stacked)
     grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
@@ -205,8 +206,8 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
       return params, others, opt_state
 
     kept = nonfinite.guard(finite, update, (state.params, state.others, state.opt_state))
-    residual = jax.tree.map(lambda new, old: jnp.where(finite, new, old), residual, state.grad_residual)
-    new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0], residual)
+    grad_residual = jax.tree.map(lambda new, old: jnp.where(finite, new, old), grad_residual, state.grad_residual)
+    new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0], grad_residual)
     metrics = {
         "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
         "aux_loss": jnp.mean(terms["aux_loss"]), "z_loss": jnp.mean(terms["z_loss"]),
