@@ -164,3 +164,16 @@ def test_the_measurement_script_refuses_unknown_parts_in_one_line(tmp_path):
                            "--parts=gemm,tests_typo"], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert result.returncode != 0
   assert "error: unknown --parts/--shapes tests_typo" in result.stderr.strip().splitlines()[-1]
+
+
+# The kernels the plan must run for bfloat16 on an H100/H200 at every shipped config's expert shape, written
+# out (RESULTS.md, 2026-11-27, one H200: JAX's Hopper kernels the fastest correct for each form at each).
+EXPECTED_ON_SM90 = {"moe_1b": ("jax_mgpu",) * 3, "mixtral_8x7b": ("jax_mgpu",) * 3,
+                    "qwen3_30b_a3b": ("jax_mgpu",) * 3, "deepseek_v3": ("jax_mgpu",) * 3}
+
+
+@pytest.mark.parametrize("config", sorted(EXPECTED_ON_SM90))
+def test_hopper_runs_the_kernels_written_out_for_each_shipped_shape(config):
+  shape = gpu_measure.SHAPES[config]
+  kernels, why = gpu_kernel_table.choose("9.0", BF16, shape.d_model, shape.expert_width)
+  assert why == "" and tuple(c.implementation for c in kernels.candidates()) == EXPECTED_ON_SM90[config]
