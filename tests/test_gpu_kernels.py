@@ -52,7 +52,7 @@ from meshmoe.pallas_kernels.matmul_reducescatter import api as scatter_api
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as dispatch_api
 from meshmoe.pallas_kernels.moe_gemm_return import api as return_api
 from meshmoe.sharding import context_parallel as cp
-from experiments.benchmarks import gpu_measure
+from experiments.benchmarks import gemm_cases
 from meshmoe.sharding import expert_parallel, grouped_ffn
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import Hardware, ParallelPlan, attention_kernel, grouped_gemm, grouped_gemm_for
@@ -208,12 +208,12 @@ def test_the_plan_s_grouped_gemm_kernels_ffn_matches_a_float32_loop_over_experts
 
 
 # Each form's chosen kernel alone at every shipped config's expert widths (rows cut to keep the test short),
-# on uneven groups with an empty and a one-row group, against gpu_measure's float32 padded reference, per
+# on uneven groups with an empty and a one-row group, against gemm_cases' float32 padded reference, per
 # group. tokamax 0.0.17's Hopper weight gradient is 0.09-0.17 off here, every correct kernel 1.7e-3 (H200).
-@pytest.mark.parametrize("config", list(gpu_measure.SHAPES))
+@pytest.mark.parametrize("config", list(gemm_cases.SHAPES))
 @pytest.mark.parametrize("form", ["forward", "input_gradient", "weight_gradient"])
 def test_each_form_s_chosen_kernel_matches_float32_at_every_shipped_shape(config, form):
-  shape = gpu_measure.SHAPES[config]
+  shape = gemm_cases.SHAPES[config]
   m, k, n, e = 4096, shape.k, shape.n, min(shape.experts, 32)
   candidate = getattr(_plan_kernels(shape.d_model, shape.expert_width), form)
   keys = jax.random.split(jax.random.key(5), 3)
@@ -221,11 +221,11 @@ def test_each_form_s_chosen_kernel_matches_float32_at_every_shipped_shape(config
   w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
   dy = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
   a, b = {"forward": (x, w), "input_gradient": (dy, w), "weight_gradient": (x, dy)}[form]
-  sizes = gpu_measure.group_sizes(e, m, uneven=True)
+  sizes = gemm_cases.group_sizes(e, m, uneven=True)
   got = jax.jit(candidate.fn())(a, b, jnp.asarray(sizes, jnp.int32))
-  want = gpu_measure.padded_reference(form, a, b, sizes)
-  error, why = gpu_measure.per_group_error(form, got, want, sizes)
-  assert not why and error <= gpu_measure.GEMM_TOLERANCE, f"{candidate.name} {form} at {config}: {why or error}"
+  want = gemm_cases.padded_reference(form, a, b, sizes)
+  error, why = gemm_cases.per_group_error(form, got, want, sizes)
+  assert not why and error <= gemm_cases.GEMM_TOLERANCE, f"{candidate.name} {form} at {config}: {why or error}"
 
 
 @pytest.mark.parametrize("gemm", ["ragged_dot", "blocked"])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.benchmarks import gpu_measure, kernel_table
+from experiments.benchmarks import gemm_cases, kernel_table
 from meshmoe.sharding import gpu_kernel_table, grouped_gemm_kernels
 from meshmoe.sharding.grouped_gemm_kernels import Candidate
 
@@ -114,29 +114,29 @@ def test_the_measurement_script_s_reference_and_error_catch_a_wrong_group(form):
   """gpu_measure.py's check: its float32 padded reference agrees with a loop over groups, and one wrong
   group (here the one-row group), or a weight gradient written into an empty group, fails the check."""
   rng = np.random.default_rng(0)
-  sizes = gpu_measure.group_sizes(6, 50, uneven=True)
+  sizes = gemm_cases.group_sizes(6, 50, uneven=True)
   assert sizes[0] == 0 and sizes[1] == 1 and sizes.sum() == 50
   k, n = 8, 12
   a = rng.standard_normal((50, n if form == "input_gradient" else k)).astype(np.float32)
   b = rng.standard_normal((50, n) if form == "weight_gradient" else (6, k, n)).astype(np.float32)
-  ref = np.asarray(gpu_measure.padded_reference(form, a, b, sizes))
+  ref = np.asarray(gemm_cases.padded_reference(form, a, b, sizes))
   bounds = np.concatenate([[0], np.cumsum(sizes)])
   loop = [(a[lo:hi].T @ b[lo:hi]) if form == "weight_gradient" else
           a[lo:hi] @ (b[g] if form == "forward" else b[g].T) for g, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
   expected = np.stack(loop) if form == "weight_gradient" else np.concatenate(loop)
   np.testing.assert_allclose(ref, expected, rtol=1e-5, atol=1e-5)
-  assert gpu_measure.per_group_error(form, expected, ref, sizes)[0] < 1e-6
+  assert gemm_cases.per_group_error(form, expected, ref, sizes)[0] < 1e-6
   broken = expected.copy()
   if form == "weight_gradient":
     broken[1] *= 1.1
   else:
     broken[bounds[1]] *= 1.1  # the one-row group
-  err, _ = gpu_measure.per_group_error(form, broken, ref, sizes)
-  assert err > gpu_measure.GEMM_TOLERANCE
+  err, _ = gemm_cases.per_group_error(form, broken, ref, sizes)
+  assert err > gemm_cases.GEMM_TOLERANCE
   if form == "weight_gradient":
     written = expected.copy()
     written[0] = 1.0
-    assert gpu_measure.per_group_error(form, written, ref, sizes) == (np.inf, "group 0 has no rows but a "
+    assert gemm_cases.per_group_error(form, written, ref, sizes) == (np.inf, "group 0 has no rows but a "
                                                                                "non-zero weight gradient")
 
 
@@ -174,6 +174,6 @@ EXPECTED_ON_SM90 = {"moe_1b": ("jax_mgpu",) * 3, "mixtral_8x7b": ("jax_mgpu",) *
 
 @pytest.mark.parametrize("config", sorted(EXPECTED_ON_SM90))
 def test_hopper_runs_the_kernels_written_out_for_each_shipped_shape(config):
-  shape = gpu_measure.SHAPES[config]
+  shape = gemm_cases.SHAPES[config]
   kernels, why = gpu_kernel_table.choose("9.0", BF16, shape.d_model, shape.expert_width)
   assert why == "" and tuple(c.implementation for c in kernels.candidates()) == EXPECTED_ON_SM90[config]
