@@ -156,6 +156,8 @@ def test_twins_equal_the_references_without_races(p, case):
       x, experts, gate, up, down)
   for got, want, name in zip(twins, references, ("received rows", "gate", "up", "returned rows")):
     assert_close(got, want, FP32_MODULE_RTOL, name)
+  if case != "random":
+    return  # the kernels through the ops' API: once per ring size here (uneven routings: the tests below)
   out = harness.per_device(_moe_layer("tpu_interpret", "tpu_interpret", TWIN_BLOCKS[p]), mesh, (SPEC,) * 6,
                            SPEC)(x, experts, combine, gate, up, down)
   assert_close(out, _numpy_moe(x, experts, combine, gate, up, down), FP32_MODULE_RTOL, "MoE layer")
