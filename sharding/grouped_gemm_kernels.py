@@ -101,7 +101,13 @@ class Candidate:
     if k * dtype.itemsize % 16 or n * dtype.itemsize % 16:
       return f"{impl} copies rows of whole 16-byte units: widths {k} and {n} in {dtype.name} are not"
     if impl == "tokamax_mosaic":
-      return None if major >= 9 else f"tokamax's Mosaic GPU kernels need Hopper or later, not sm{major}x"
+      if major < 9:
+        return f"tokamax's Mosaic GPU kernels need Hopper or later, not sm{major}x"
+      # Its operands are copied in 128-byte swizzled tiles: a width above one tile must fill whole tiles.
+      swizzle = 128 // dtype.itemsize
+      if wide := [w for w in (k, n) if w > swizzle and w % swizzle]:
+        return f"tokamax's Mosaic GPU kernels tile a width above {swizzle} by {swizzle}: {wide[0]} is not a multiple"
+      return None
     if impl == "tokamax_triton":
       if importlib.util.find_spec("jax_triton") is None:
         return "tokamax's Triton kernels need jax-triton (pip install -e '.[cuda12]')"

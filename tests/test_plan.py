@@ -118,10 +118,10 @@ def test_on_hopper_the_plan_runs_each_form_s_measured_kernel_and_says_where_it_c
                                             "(d_model 1024, expert width 512)")
   table = _h100_model_plan("bfloat16").table()
   assert "moe weight gradient: jax_mgpu[128x128x64x4x1] (measured 2026-11-27 on NVIDIA H200" in table
-  # 80-byte expert rows: JAX's kernels tile 128 columns; tokamax's Mosaic forward and input gradient take
-  # them, its weight gradient was measured wrong, so XLA's (dense, correct) weight gradient runs.
+  # A gate/up width of 80: JAX's kernels tile 128 columns and tokamax's Mosaic kernels 64 (its compile for
+  # an H100 fails at 80), so at the nearest class (moe_1b) the fastest correct candidate left runs: XLA's.
   narrow = plan.expert_ffn(ep=8, d=512, f=40, dtype=jnp.bfloat16)
-  assert [c.implementation for c in narrow.gemm_kernels.candidates()] == ["tokamax_mosaic", "tokamax_mosaic", "xla"]
+  assert [c.implementation for c in narrow.gemm_kernels.candidates()] == ["xla", "xla", "xla"]
 
 
 def test_a_float32_model_on_a_gpu_runs_the_blocked_gemm_and_the_plan_says_why():
