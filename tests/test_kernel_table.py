@@ -92,13 +92,13 @@ def test_an_ampere_gpu_gets_the_stated_triton_default_or_the_exact_path(monkeypa
 def test_widths_a_kernel_cannot_tile_pass_to_the_next_measured_candidate():
   """Expert width 48 (a fused gate/up width of 96): JAX's kernels tile by 128 and tokamax's Mosaic kernels
   copy 64-element swizzled tiles, so neither takes it (tokamax's raised deep in Mosaic when it was tried);
-  the forward falls to the next correct measured candidate, which can."""
+  the forward falls to the fastest correct candidate left at the nearest class (moe_1b): XLA's ragged dot,
+  22.6 TFLOP/s there against 22.5 for the cuDNN fusion."""
   assert Candidate("tokamax_mosaic", "forward").unsupported("9.0", BF16, 32, 96) == (
       "tokamax's Mosaic GPU kernels tile a width above 64 by 64: 96 is not a multiple")
   assert Candidate("tokamax_mosaic", "forward").unsupported("9.0", BF16, 32, 128) is None
   chosen, _ = gpu_kernel_table.choose_form(gpu_kernel_table.packaged_rows(), "forward", "9.0", BF16, 32, 48)
-  assert chosen.implementation not in ("jax_mgpu", "tokamax_mosaic")
-  assert chosen.unsupported("9.0", BF16, 32, 96) is None and chosen.unsupported("9.0", BF16, 48, 32) is None
+  assert chosen == Candidate("xla", "forward")
 
 
 def test_a_gpu_without_kernels_runs_the_exact_path_and_says_so_in_one_line():
