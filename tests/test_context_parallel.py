@@ -182,15 +182,17 @@ def test_compiled_program_uses_the_kind_s_collective(kind, collective):
 
 
 def _count(jaxpr, primitive: str) -> int:
-  """Equations of `primitive` in a jaxpr, nested ones (the shard_map body) included."""
+  """Executions of `primitive` in a jaxpr: nested equations (the shard_map body) included, a scan's body
+  (lax.fori_loop with static bounds) counted once per iteration."""
   total = 0
   for eqn in jaxpr.eqns:
     total += eqn.primitive.name == primitive
+    repeats = eqn.params["length"] if eqn.primitive.name == "scan" else 1
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
-          total += _count(inner, primitive)
+          total += repeats * _count(inner, primitive)
   return total
 
 
