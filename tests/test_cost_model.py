@@ -160,8 +160,9 @@ def test_cost_model_matches_compiled_step_with_gradient_accumulation(sizes, pres
 def _check_against_compiled_step(config):
   preset = config.mesh.preset
   plan = plan_for(config)
-  trainer, state = train_step.create(config, plan)
-  # Only read, never run: LLVM at -O0 (a third less compile time; the same HLO and buffers).
+  # Only read, never run: the abstract state (nothing initialised) and LLVM at -O0 (a third less compile
+  # time; the same HLO and buffers).
+  trainer, state = train_step.create_abstract(config, plan)
   compiled = deviceless.compile_for_analysis(trainer.train_step.lower(state, train_step.abstract_batch(config, plan)))
   cost = cost_model.step_cost(config, plan)
 
