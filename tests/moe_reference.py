@@ -1,7 +1,8 @@
 """A naive per-token MoE reference, written independently of meshmoe.sharding.grouped_ffn.
 
-Expert choice is made in NumPy (float64, argsort) from the concrete parameters, then the output is a
-Python loop over tokens and their chosen experts, differentiable with respect to the parameters and input
+Expert choice is made in NumPy (float64, argsort) from the concrete parameters, then each token is run
+through the weights of its own chosen experts, gathered per token, differentiable with respect to the
+parameters and input
 (the choice itself has no gradient, as in any top-k router). Capacity drops follow the documented priority:
 all first choices in token order, then all second choices, ...; each expert keeps its first C assignments.
 """
@@ -48,27 +49,20 @@ def kept_mask(choices_SK: np.ndarray, cfg: MoEConfig) -> np.ndarray:
 
 
 def moe_forward(params: dict, x_SD, choices_SK: np.ndarray, kept_SK: np.ndarray, cfg: MoEConfig):
-  """One sequence [S, D] through the MoE block, token by token. `params` holds the block's arrays."""
+  """One sequence [S, D] through the MoE block, each token through its own chosen experts: every token's
+  [K] experts' weights are gathered for it (by the concrete choices, no grouping or sorting of tokens) and
+  applied to that token alone. `params` holds the block's arrays."""
   logits = x_SD @ params["router"]
-  if cfg.score_fn == "softmax":
-    scores = jax.nn.softmax(logits, axis=-1)
-  else:
-    scores = jax.nn.sigmoid(logits)
-  rows = []
-  for t in range(x_SD.shape[0]):
-    chosen = [int(e) for e in choices_SK[t]]
-    weights = [scores[t, e] for e in chosen]
-    if cfg.normalize_top_k:
-      total = sum(weights)
-      weights = [w / (total + 1e-20) for w in weights]
-    out = jnp.zeros_like(x_SD[t])
-    for j, e in enumerate(chosen):
-      if not kept_SK[t, j]:
-        continue
-      h = jax.nn.silu(x_SD[t] @ params["gate"][e]) * (x_SD[t] @ params["up"][e])
-      out = out + cfg.routed_scaling * weights[j] * (h @ params["down"][e])
-    if "shared_gate" in params:
-      h = jax.nn.silu(x_SD[t] @ params["shared_gate"]) * (x_SD[t] @ params["shared_up"])
-      out = out + h @ params["shared_down"]
-    rows.append(out)
-  return jnp.stack(rows)
+  scores = jax.nn.softmax(logits, axis=-1) if cfg.score_fn == "softmax" else jax.nn.sigmoid(logits)
+  weights_SK = jnp.take_along_axis(scores, jnp.asarray(choices_SK), axis=-1)
+  if cfg.normalize_top_k:
+    weights_SK = weights_SK / (jnp.sum(weights_SK, axis=-1, keepdims=True) + 1e-20)
+  weights_SK = jnp.where(jnp.asarray(kept_SK), cfg.routed_scaling * weights_SK, 0.0)
+  gate_SKDF, up_SKDF, down_SKFD = (params[name][choices_SK] for name in ("gate", "up", "down"))
+  hidden_SKF = (jax.nn.silu(jnp.einsum("sd,skdf->skf", x_SD, gate_SKDF))
+                * jnp.einsum("sd,skdf->skf", x_SD, up_SKDF))
+  out_SD = jnp.einsum("sk,skf,skfd->sd", weights_SK, hidden_SKF, down_SKFD)
+  if "shared_gate" in params:
+    hidden_SF = jax.nn.silu(x_SD @ params["shared_gate"]) * (x_SD @ params["shared_up"])
+    out_SD = out_SD + hidden_SF @ params["shared_down"]
+  return out_SD

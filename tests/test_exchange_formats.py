@@ -23,7 +23,7 @@ from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import exchange_formats, expert_parallel, grouped_ffn
 from meshmoe.sharding.plan import Hardware, ParallelPlan
 from tests.test_expert_parallel import (B, K, S, _emulated_ragged_all_to_all, _inputs, _sharded, assert_matches,
-                                        local_moe, output_and_grads)
+                                        local_moe, output_and_grads, sharded_op)
 from tests.tolerances import FP32_MODULE_RTOL
 
 FP8 = "float8_e4m3fn"
@@ -77,14 +77,15 @@ _IDS = [f"{p}-{'x'.join(map(str, s))}" for s, p in EP_LAYOUTS]
 def test_fp8_dispatch_equals_the_op_on_dequantised_tokens(sizes, preset, load, impl):
   x, experts, weights, w = _inputs(load)
   cotangent = jax.random.normal(jax.random.key(9), x.shape)
-  fn, place, _ = _sharded(sizes, preset, _fp8(dispatch=FP8, impl=impl))
-
-  def reference(x, experts, weights, w):  # the tokens' rows quantised; the gradient passes straight through
-    x_q = _quantised(x.reshape(-1, x.shape[-1])).reshape(x.shape)
-    return local_moe(x + jax.lax.stop_gradient(x_q - x), experts, weights, w)
-
+  fn, place = sharded_op(sizes, preset, _fp8(dispatch=FP8, impl=impl))
   assert_matches(output_and_grads(fn, *place(x, experts, weights, w), cotangent),
-                 output_and_grads(reference, x, experts, weights, w, cotangent))
+                 output_and_grads(_moe_on_dequantised_tokens, x, experts, weights, w, cotangent))
+
+
+def _moe_on_dequantised_tokens(x, experts, weights, w):
+  """The one-device op on the tokens' rows quantised; the gradient passes straight through."""
+  x_q = _quantised(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+  return local_moe(x + jax.lax.stop_gradient(x_q - x), experts, weights, w)
 
 
 def _use_ragged_exchange(monkeypatch):

@@ -52,12 +52,19 @@ def local_moe(x, experts, weights, w):
   return grouped_ffn.moe_local(x, experts, weights, w, swiglu_hidden, "blocked")
 
 
+# One jitted gradient program per op function: tests that run the same op (local_moe, or one layout's op
+# from `sharded_op`) on other inputs of the same shapes share its compile, which is most of their time.
+_GRADIENT_PROGRAMS: dict = {}
+
+
 def output_and_grads(fn, x, experts, weights, w, cotangent):
   """(fn's output, the gradients of <output, cotangent> with respect to x, weights and w)."""
-  def f(x, weights, w):
-    y = fn(x, experts, weights, w)
-    return jnp.sum(y * cotangent), y
-  (_, y), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, weights, w)
+  if fn not in _GRADIENT_PROGRAMS:
+    def loss(x, weights, w, experts, cotangent):
+      y = fn(x, experts, weights, w)
+      return jnp.sum(y * cotangent), y
+    _GRADIENT_PROGRAMS[fn] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, y), grads = _GRADIENT_PROGRAMS[fn](x, weights, w, experts, cotangent)
   return y, grads
 
 
@@ -93,19 +100,32 @@ def _sharded(sizes, preset, parallel: ParallelConfig | None = None):
   return fn, place, mesh
 
 
+_SHARDED_OPS: dict = {}
+
+
+def sharded_op(sizes, preset, parallel: ParallelConfig | None = None):
+  """`_sharded`'s (op, place), made once per layout and configuration so that its compiled programs are
+  shared by the tests that use it. A test that changes what tracing sees (a monkeypatched collective)
+  must call `_sharded` for a fresh op instead."""
+  key = (sizes, preset, repr(parallel))
+  if key not in _SHARDED_OPS:
+    _SHARDED_OPS[key] = _sharded(sizes, preset, parallel)[:2]
+  return _SHARDED_OPS[key]
+
+
 @pytest.mark.parametrize("load", ["balanced", "uneven", "dropped"])
 @pytest.mark.parametrize("sizes,preset", LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in LAYOUTS])
 def test_expert_parallel_matches_one_device(sizes, preset, load):
   x, experts, weights, w = _inputs(load)
   cotangent = jax.random.normal(jax.random.key(9), x.shape)
-  fn, place, _ = _sharded(sizes, preset)
+  fn, place = sharded_op(sizes, preset)
   assert_matches(output_and_grads(fn, *place(x, experts, weights, w), cotangent),
                  output_and_grads(local_moe, x, experts, weights, w, cotangent))
 
 
 def test_experts_receiving_no_tokens_get_zero_gradient():
   x, experts, weights, w = _inputs("uneven")
-  fn, place, _ = _sharded((1, 8, 1, 1), "ep")
+  fn, place = sharded_op((1, 8, 1, 1), "ep")
   _, (_, _, grad_w) = output_and_grads(fn, *place(x, experts, weights, w), jnp.ones_like(x))
   assert np.all(np.asarray(grad_w.gate_EDF)[5:] == 0)
   assert np.any(np.asarray(grad_w.gate_EDF)[0] != 0)

@@ -109,7 +109,7 @@ def test_moe_block_matches_per_token_reference(case, bias_name):
       y, _ = nnx.merge(graphdef, params_state, others)(x)
     return jnp.sum(y * cotangent), y
 
-  (_, y), (grads_state, grad_x) = jax.value_and_grad(block_loss, argnums=(0, 1), has_aux=True)(
+  (_, y), (grads_state, grad_x) = jax.jit(jax.value_and_grad(block_loss, argnums=(0, 1), has_aux=True))(
       params_state, x_BSD)
 
   ref_params = _reference_params(block)

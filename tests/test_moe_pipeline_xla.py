@@ -21,7 +21,8 @@ from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import expert_parallel, grouped_ffn, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
-from tests.test_expert_parallel import D, E, LAYOUTS, _inputs, _sharded, assert_matches, local_moe, output_and_grads
+from tests.test_expert_parallel import (D, E, LAYOUTS, _inputs, _sharded, assert_matches, local_moe, output_and_grads,
+                                        sharded_op)
 from tests.model_steps import gpu_mesh
 
 AXES = ("data", "expert", "tensor", "sequence")
@@ -35,7 +36,7 @@ def _xla(chunks: int, grouped_gemm: str = "blocked") -> ParallelConfig:
 def _assert_matches_one_device(sizes, preset, load, parallel):
   x, experts, weights, w = _inputs(load)
   cotangent = jax.random.normal(jax.random.key(9), x.shape)
-  fn, place, _ = _sharded(sizes, preset, parallel)
+  fn, place = sharded_op(sizes, preset, parallel)
   assert_matches(output_and_grads(fn, *place(x, experts, weights, w), cotangent),
                  output_and_grads(local_moe, x, experts, weights, w, cotangent))
 
