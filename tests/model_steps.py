@@ -26,6 +26,25 @@ def plan_for(config: Config, devices: Sequence[jax.Device] | None = None) -> Par
   return ParallelPlan.build(config, make_mesh(config.mesh, devices))
 
 
+# One model state per model config and seed, created on one device (see `init_model`).
+_INITIAL_STATES: dict[str, Any] = {}
+
+
+def init_model(config: Config, plan: ParallelPlan) -> Transformer:
+  """model_state.init_model's model with the same values, created once per model config and seed on one
+  device and then placed as `plan` says. The random initialisation does not depend on the sharding, so the
+  tests that run one model on many layouts skip compiling its sharded initialiser for each (2-3 s apiece);
+  test_model_sharded.py checks the sharded initialiser itself against this."""
+  create = lambda: Transformer(config.model, rngs=nnx.Rngs(config.train.seed))
+  abstract = nnx.eval_shape(create)
+  key = repr((config.model, config.train.seed))
+  if key not in _INITIAL_STATES:
+    _INITIAL_STATES[key] = jax.jit(lambda: nnx.state(create()))()
+  # may_alias=False: a copy each time, so a step that donates its parameters cannot delete the kept state.
+  placed = jax.device_put(_INITIAL_STATES[key], plan.param_shardings(nnx.state(abstract)), may_alias=False)
+  return nnx.merge(nnx.graphdef(abstract), placed)
+
+
 def synthetic_batch(config: Config, plan: ParallelPlan, seed: int = 0) -> tuple[jax.Array, jax.Array]:
   """Uniformly random (inputs_BS, targets_BS) of the config's batch shape, placed as the plan says."""
   b, s = config.train.global_batch_size, config.train.seq_len

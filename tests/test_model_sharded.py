@@ -7,7 +7,7 @@ from flax import nnx
 
 from meshmoe.config import Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from meshmoe.training import model_state
-from tests.model_steps import make_loss_and_grad, plan_for, synthetic_batch
+from tests.model_steps import init_model, make_loss_and_grad, plan_for, synthetic_batch
 from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
 
@@ -43,7 +43,7 @@ LAYOUTS = [
 def _loss_and_grads(config: Config, devices) -> tuple[float, dict]:
   config.validate(len(devices))
   plan = plan_for(config, devices)
-  model = model_state.init_model(config, plan)
+  model = init_model(config, plan)
   _, params, others = nnx.split(model, nnx.Param, ...)
   inputs, targets = synthetic_batch(config, plan, seed=7)
   loss, _, grads = make_loss_and_grad(model, config, plan)(params, others, inputs, targets)
@@ -74,6 +74,28 @@ def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: s
   assert grads.keys() == ref_grads.keys()
   for path in ref_grads:
     assert_close(grads[path], ref_grads[path], FP32_MODEL_RTOL, f"grad {'/'.join(map(str, path))}")
+
+
+@pytest.mark.parametrize("sizes,preset,storage", [((2, 2, 1, 2), "megascale", "preset"), ((2, 2, 2, 1), "fsdp", "preset"),
+                                                  ((2, 2, 2, 1), "tp_sp", "all")])
+def test_sharded_initialiser_creates_the_single_device_values_in_place(sizes, preset, storage):
+  """model_state.init_model, jitted with the plan's shardings as outputs, gives every variable bit for bit
+  the values of the model created on one device, each already split as the plan says (the other tests
+  place the one-device values instead: tests/model_steps.py init_model)."""
+  config = small_config()
+  config.mesh = MeshConfig(data=1, preset="dp")
+  one_device = nnx.state(model_state.init_model(config, plan_for(config, jax.devices()[:1])))
+  data, expert, tensor, sequence = sizes
+  config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset,
+                           weight_storage=storage)
+  plan = plan_for(config)
+  state = nnx.state(model_state.init_model(config, plan))
+  want_shardings = plan.param_shardings(state)
+  got, want = nnx.to_flat_state(state), dict(nnx.to_flat_state(one_device))
+  assert [path for path, _ in got] == list(want)
+  for (path, variable), sharding in zip(got, jax.tree.leaves(want_shardings), strict=True):
+    assert variable[...].sharding.is_equivalent_to(sharding, variable[...].ndim), path
+    np.testing.assert_array_equal(np.asarray(variable[...]), np.asarray(want[path][...]), err_msg=str(path))
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.rules import logical_to_spec
 from meshmoe.sharding.shardings import use_plan
 from meshmoe.training import model_state, train_step
-from tests.model_steps import gpu_mesh, plan_for
+from tests.model_steps import gpu_mesh, init_model, plan_for
 from tests.test_model_sharded import small_config
 from tests.tolerances import FP32_MODEL_RTOL, FP32_MODULE_RTOL, assert_close
 
@@ -54,7 +54,7 @@ def _batch(config, seed: int):
 def _loss_and_grads(config, plan, loss_fn, placed_batch):
   """loss_fn(graphdef, params, others, batch) and its gradient in every parameter, from the model `config`
   initialises."""
-  graphdef, params, others = nnx.split(model_state.init_model(config, plan), nnx.Param, ...)
+  graphdef, params, others = nnx.split(init_model(config, plan), nnx.Param, ...)
   batch = dict(zip(("inputs", "targets", "mask"), placed_batch))
   value, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, others, batch, plan)))(params)
   return float(value), {"/".join(map(str, path)): np.asarray(g) for path, g in nnx.to_flat_state(grads)}

@@ -1,5 +1,7 @@
 """The jitted train step: optimizer and expert-bias updates, accumulation, remat, bf16 compute, ZeRO-1."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from flax import nnx
 
 from meshmoe.config import MeshConfig
 from meshmoe.training import model_state, train_step
-from tests.model_steps import make_loss_and_grad, plan_for, synthetic_batch
+from tests.model_steps import init_model, make_loss_and_grad, plan_for, synthetic_batch
 from tests.test_model_sharded import small_config
 from tests.tolerances import BF16_LOSS_RTOL, BF16_MODEL_RTOL, FP32_MODEL_RTOL, assert_close
 
@@ -112,7 +114,7 @@ def test_remat_changes_memory_not_results(policy):
   results, temp_bytes = {}, {}
   for name in ("none", policy):
     config.model.remat = name
-    model = model_state.init_model(config, plan)
+    model = init_model(config, plan)
     _, params, others = nnx.split(model, nnx.Param, ...)
     loss_and_grad = make_loss_and_grad(model, config, plan)
     compiled = loss_and_grad.lower(params, others, inputs, targets).compile()
@@ -127,7 +129,7 @@ def test_remat_changes_memory_not_results(policy):
 def _loss_and_grads(config, dtype: str, seed: int):
   config.model.dtype = dtype
   plan = plan_for(config)
-  model = model_state.init_model(config, plan)
+  model = init_model(config, plan)
   _, params, others = nnx.split(model, nnx.Param, ...)
   inputs, targets = synthetic_batch(config, plan, seed=seed)
   loss, _, grads = make_loss_and_grad(model, config, plan)(params, others, inputs, targets)
@@ -197,6 +199,21 @@ def _step_on(config, devices):
   return {k: float(metrics[k]) for k in ("loss", "grad_norm")}, _flat(after.params), moments
 
 
+def _storage_step_config(mesh: MeshConfig, remat: str):
+  config = small_config()
+  config.mesh, config.model.remat = mesh, remat
+  opt = config.optimizer
+  opt.warmup_steps, opt.eps = 0, 1e-3  # a full-size first step; g / (|g| + eps) well-conditioned near g = 0
+  return config
+
+
+@functools.cache
+def _one_device_step():
+  """The storage tests' reference: the same step on one device, without remat (which changes no result:
+  test_remat_changes_memory_not_results), computed once per process."""
+  return _step_on(_storage_step_config(MeshConfig(data=1, preset="dp"), "none"), jax.devices()[:1])
+
+
 # (mesh sizes, preset, weight storage, remat)
 STORAGE_STEPS = [((2, 2, 1, 2), "megascale", "data", "none"), ((2, 2, 2, 1), "tp_sp", "all", "full"),
                  ((2, 2, 1, 2), "megascale", "all", "full"), ((2, 2, 2, 1), "tp_sp", "data", "none")]
@@ -208,16 +225,10 @@ STORAGE_STEPS = [((2, 2, 1, 2), "megascale", "data", "none"), ((2, 2, 2, 1), "tp
 def test_weight_storage_step_matches_single_device(sizes, preset, storage, remat):
   """A whole optimizer step with the weights and AdamW moments stored split over `data` (or every axis the
   preset leaves them on): the loss, the updated parameters and both moments equal one device's step."""
-  results = {}
-  for name, mesh in (("reference", MeshConfig(data=1, preset="dp")),
-                     ("split", MeshConfig(**dict(zip(("data", "expert", "tensor", "sequence"), sizes)), preset=preset,
-                                          weight_storage=storage))):
-    config = small_config()
-    config.mesh, config.model.remat = mesh, remat
-    opt = config.optimizer
-    opt.warmup_steps, opt.eps = 0, 1e-3  # a full-size first step; g / (|g| + eps) well-conditioned near g = 0
-    results[name] = _step_on(config, jax.devices()[:mesh.data * mesh.expert * mesh.tensor * mesh.sequence])
-  (ref_metrics, ref_params, ref_moments), (metrics, params, moments) = results["reference"], results["split"]
+  config = _storage_step_config(MeshConfig(**dict(zip(("data", "expert", "tensor", "sequence"), sizes)),
+                                           preset=preset, weight_storage=storage), remat)
+  metrics, params, moments = _step_on(config, jax.devices())
+  ref_metrics, ref_params, ref_moments = _one_device_step()
   assert_close(metrics["loss"], ref_metrics["loss"], FP32_MODEL_RTOL, "loss")
   assert_close(metrics["grad_norm"], ref_metrics["grad_norm"], FP32_MODEL_RTOL, "grad_norm")
   assert params.keys() == ref_params.keys()
