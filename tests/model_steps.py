@@ -39,10 +39,17 @@ def init_model(config: Config, plan: ParallelPlan) -> Transformer:
   abstract = nnx.eval_shape(create)
   key = repr((config.model, config.train.seed))
   if key not in _INITIAL_STATES:
-    _INITIAL_STATES[key] = jax.jit(lambda: nnx.state(create()))()
-  # may_alias=False: a copy each time, so a step that donates its parameters cannot delete the kept state.
-  placed = jax.device_put(_INITIAL_STATES[key], plan.param_shardings(nnx.state(abstract)), may_alias=False)
+    # Kept in host memory: each placement makes new device buffers, which a step may donate.
+    _INITIAL_STATES[key] = jax.tree.map(np.asarray, jax.jit(lambda: nnx.state(create()))())
+  placed = jax.device_put(_INITIAL_STATES[key], plan.param_shardings(nnx.state(abstract)))
   return nnx.merge(nnx.graphdef(abstract), placed)
+
+
+def initial_variables(config: Config, plan: ParallelPlan) -> tuple[Any, Any]:
+  """(parameters, other variables) of `init_model`'s model: train_step.create's `variables`, so that a
+  test's train step starts from the placed one-device state too."""
+  _, params, others = nnx.split(init_model(config, plan), nnx.Param, ...)
+  return params, others
 
 
 def synthetic_batch(config: Config, plan: ParallelPlan, seed: int = 0) -> tuple[jax.Array, jax.Array]:

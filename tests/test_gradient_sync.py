@@ -26,7 +26,7 @@ from meshmoe.sharding.gradient_sync import BLOCK
 from meshmoe.training import train_step
 from meshmoe.training.model_state import abstract_gradient_residual
 from tests import runs
-from tests.model_steps import plan_for, synthetic_batch
+from tests.model_steps import initial_variables, plan_for, synthetic_batch
 
 SHAPE = (3, 200)  # 600 values per device: padded to R x 2 blocks of 128 (R x 1 for 8 replicas)
 
@@ -137,7 +137,7 @@ def test_model_gradients_with_compressed_expert_sums(sizes, preset, impl, schedu
   config = _config(sizes, preset, impl, schedule, compression)
   exact_config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, gradient_compression="none"))
   plan, exact_plan = plan_for(config), plan_for(exact_config)
-  trainer, state = train_step.create(config, plan)
+  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   model_state = (trainer.graphdef, state.params, state.others)
   inputs, targets = synthetic_batch(config, plan)
   exact, _ = _loss_and_grads(exact_config, exact_plan, model_state, None, inputs, targets)
@@ -185,7 +185,7 @@ def test_train_step_feeds_each_micro_batch_what_the_previous_one_lost():
   config.train.global_batch_size, config.train.grad_accum_steps = 32, 2
   config = config.validate(8)
   plan = plan_for(config)
-  trainer, state = train_step.create(config, plan)
+  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   state.grad_residual = _random_residual(config, plan, 1e-3)
   inputs, targets = synthetic_batch(config, plan)
   batch = {"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)}

@@ -10,7 +10,7 @@ import pytest
 
 from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.training import train_step
-from tests.model_steps import plan_for
+from tests.model_steps import initial_variables, plan_for
 from tests.test_model_sharded import small_config
 from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
@@ -37,7 +37,7 @@ def _batches(config):
 def _loss_curve(config, devices) -> np.ndarray:
   config.validate(len(devices))
   plan = plan_for(config, devices)
-  trainer, state = train_step.create(config, plan)
+  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   losses = []
   for batch in _batches(config):
     state, metrics = trainer.train_step(state, train_step.place_batch(batch, config, plan))

@@ -11,7 +11,7 @@ from flax import nnx
 
 from meshmoe.config import MeshConfig
 from meshmoe.training import model_state, train_step
-from tests.model_steps import init_model, make_loss_and_grad, plan_for, synthetic_batch
+from tests.model_steps import init_model, initial_variables, make_loss_and_grad, plan_for, synthetic_batch
 from tests.test_model_sharded import small_config
 from tests.tolerances import BF16_LOSS_RTOL, BF16_MODEL_RTOL, FP32_MODEL_RTOL, assert_close
 
@@ -19,7 +19,7 @@ from tests.tolerances import BF16_LOSS_RTOL, BF16_MODEL_RTOL, FP32_MODEL_RTOL, a
 def _one_step(config, accum=1):
   config.train.grad_accum_steps = accum
   plan = plan_for(config)
-  trainer, state = train_step.create(config, plan)
+  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   before = jax.tree.map(np.asarray, state)
   inputs, targets = synthetic_batch(config, plan, seed=5)
   batch = {"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)}
@@ -67,7 +67,7 @@ def test_first_update_is_clipped_adamw_with_the_decay_mask():
   opt.warmup_steps, opt.grad_clip_norm, opt.weight_decay = 0, 0.25, 0.1
   opt.eps = 1e-3  # keeps g / (|g| + eps) well-conditioned for gradients near zero
   plan = plan_for(config)
-  trainer, state = train_step.create(config, plan)
+  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   inputs, targets = synthetic_batch(config, plan, seed=5)
   model = nnx.merge(trainer.graphdef, state.params, state.others)
   _, _, grads = make_loss_and_grad(model, config, plan)(state.params, state.others, inputs, targets)
@@ -161,7 +161,7 @@ def test_bfloat16_training_tracks_float32():
     config.model.dtype = dtype
     config.train.steps, config.optimizer.warmup_steps = 30, 2
     plan = plan_for(config)
-    trainer, state = train_step.create(config, plan)
+    trainer, state = train_step.create(config, plan, initial_variables(config, plan))
     rng, b, s, v = np.random.default_rng(0), config.train.global_batch_size, config.train.seq_len, 64
     losses = []
     for _ in range(config.train.steps):
@@ -191,7 +191,7 @@ def _step_on(config, devices):
   """One train step of `config` on `devices` from the seed's initial state: its loss and gradient norm, the
   parameters after it and AdamW's moments, by path."""
   plan = plan_for(config, devices)
-  trainer, state = train_step.create(config, plan)
+  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   inputs, targets = synthetic_batch(config, plan, seed=5)
   batch = {"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)}
   after, metrics = trainer.train_step(state, batch)
