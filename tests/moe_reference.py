@@ -2,9 +2,9 @@
 
 Expert choice is made in NumPy (float64, argsort) from the concrete parameters, then each token is run
 through the weights of its own chosen experts, gathered per token, differentiable with respect to the
-parameters and input
-(the choice itself has no gradient, as in any top-k router). Capacity drops follow the documented priority:
-all first choices in token order, then all second choices, ...; each expert keeps its first C assignments.
+parameters and input (the choice itself has no gradient, as in any top-k router). Capacity drops follow
+the documented priority: all first choices in token order, then all second choices, ...; each expert keeps
+its first C assignments.
 """
 
 from __future__ import annotations
