@@ -60,7 +60,13 @@ def test_a_killed_process_does_not_leave_the_other_hanging(tmp_path, killed):
   assert status != 0
   if killed == 1:
     # Depending on when it dies, the survivor's collective hangs (the watchdog ends it) or gloo notices the
-    # closed connection and fails it; either way one error names the step, and the exit status is 3.
+    # closed connection and fails it; either way one error names the step, and the exit status is 3. When the
+    # victim dies in the middle of sending, gloo instead reads a truncated message and aborts the survivor
+    # from C++ ("Received data size doesn't match expected size"; seen once in 3 CI runs, under load): it
+    # still ends at once, but nothing in Python can name the step.
+    if "killed by SIGABRT" in text and "gloo::EnforceNotMet" in log:
+      assert took < WATCHDOG_S + 20
+      return
     assert "experiments.launch: process 0 exited with status 3" in text, text[-3000:]
     assert took < WATCHDOG_S + 20
     hung = (rf"error: watchdog: process 0 made no progress for [\d.]+ s in train step \d+, waiting for its "
