@@ -2,8 +2,8 @@
 
 Covers: the loss falls on the embedded corpus; a run killed with SIGKILL at three random steps in turn and
 restarted each time on its workdir ends with bitwise the same metrics and parameters as an uninterrupted
-run; a checkpoint restored onto another mesh layout continues with the same losses (float tolerance); bad
-flags give one clear error.
+run; a finished run run again trains nothing and says so; a checkpoint restored onto another mesh layout
+continues with the same losses (float tolerance); bad flags give one clear error.
 """
 
 import json
@@ -53,6 +53,22 @@ def test_run_writes_everything_and_the_loss_falls(reference_run):
   plan = json.loads((uninterrupted / "plan.json").read_text())  # what ran, op by op
   assert plan["preset"] == "ep" and plan["ops"]["moe"]["implementation"] == "all_to_all"  # expert=8: exchanged
   assert plan["ops"]["moe"]["grouped_gemm"] == "blocked"  # "auto" on CPU
+
+
+@pytest.mark.slow
+def test_a_finished_run_run_again_compiles_no_train_step_and_reports_its_last_loss(reference_run, tmp_path):
+  """Running a finished run's command again (what a requeued job or a second try does) resumes from the last
+  checkpoint with nothing to train: no train step is compiled, the metrics stay as they were, and the final
+  train loss printed is the last logged one (it was NaN before)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference_run, workdir)
+  before = (workdir / "metrics.jsonl").read_bytes()
+  result = _train(workdir)
+  assert f"resuming from the checkpoint of step {STEPS}" in result.stdout
+  assert f"the run has already trained its {STEPS} steps" in result.stdout and "steps to go" not in result.stdout
+  last = [r for r in _records(workdir) if r["kind"] == "train"][-1]
+  assert f"final train loss {last['loss']:.3f}," in result.stdout, result.stdout[-2000:]
+  assert (workdir / "metrics.jsonl").read_bytes() == before
 
 
 @pytest.mark.slow

@@ -175,14 +175,31 @@ def truncate_metrics(path: str | Path, resume_step: int) -> None:
     raise
 
 
-def _keep(line: bytes, resume_step: int) -> bool:
+def last_train_loss(path: str | Path) -> float:
+  """The loss of the newest complete train record in `path` (what a resumed run that has no step left to
+  train reports as its final loss); NaN when there is none (no file, or no train record)."""
+  path = Path(path)
+  if not path.exists():
+    return float("nan")
+  losses = [record["loss"] for record in map(_record, path.read_bytes().splitlines(keepends=True))
+            if record and record.get("kind") == "train" and _is_number(record.get("loss"))]
+  return float(losses[-1]) if losses else float("nan")
+
+
+def _record(line: bytes) -> dict | None:
+  """One metrics.jsonl line as a dict, or None for a line that is unterminated or does not parse."""
   if not line.endswith(b"\n"):
-    return False
+    return None
   try:
     record = json.loads(line)
   except ValueError:
-    return False
-  step = record.get("step") if isinstance(record, dict) else None
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def _keep(line: bytes, resume_step: int) -> bool:
+  record = _record(line)
+  step = record.get("step") if record else None
   return isinstance(step, int) and step <= resume_step
 
 

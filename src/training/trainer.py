@@ -89,12 +89,17 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
   first_step = int(state.step)
   eval_batches = {name: [train_step.place_batch(b, config, plan) for b in batches]
                   for name, batches in data.eval_batches.items()}
-  compile_start = time.perf_counter()
-  step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
-  if is_primary:
-    print(f"{config.train.steps - first_step} steps to go; train step compiled in "
-          f"{time.perf_counter() - compile_start:.1f}s; {data.train_tokens:,} train / {data.eval_tokens:,} eval "
-          "tokens", flush=True)
+  step_fn = None  # a run resumed after its last step trains nothing: no train step to compile
+  if first_step < config.train.steps:
+    compile_start = time.perf_counter()
+    step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
+    if is_primary:
+      print(f"{config.train.steps - first_step} steps to go; train step compiled in "
+            f"{time.perf_counter() - compile_start:.1f}s; {data.train_tokens:,} train / {data.eval_tokens:,} "
+            "eval tokens", flush=True)
+  elif is_primary:
+    print(f"the run has already trained its {config.train.steps} steps (train.steps): evaluating and sampling "
+          "only; raise --config.train.steps to train on", flush=True)
 
   # The eval step is compiled here too, not at the first evaluation: the watchdog does not watch compiling
   # (a large model's takes minutes), and the processes meet below once all of it is done.
@@ -214,6 +219,8 @@ class _Loop:
       self._check(pending, state, watchdog)
       if pending is not None:
         self.final_loss = float(pending[1]["loss"])
+      elif is_primary:  # no step left to train: the newest logged one's
+        self.final_loss = metrics_lib.last_train_loss(self.workdir / "metrics.jsonl")
       if self.eval_loss is None:  # resumed a run that had already finished
         watchdog.beat("evaluation")
         self.eval_loss = evaluate_sources(self.eval_fn, state, self.eval_batches, self.data.weights)["loss"]
