@@ -69,13 +69,17 @@ def _cli(*args, env_flags: str = "", module: str = "experiments.aot") -> subproc
 
 @pytest.mark.slow
 def test_command_line_writes_the_report_with_each_kernel_s_registers_and_says_whether_it_fits(tmp_path):
-  """One compile for two hosts of 4 H100s: the JSON and the verdict, and with --kernel_resources ptxas'
-  figures for every Mosaic GPU kernel of the step (the grouped GEMM kernels here), in the JSON and the printed
-  table, the dumps' temporary folder removed afterwards."""
-  out, dumps_before = tmp_path / "report.json", set(Path(tempfile.gettempdir()).glob("meshmoe_kernels_*"))
-  result = _cli("--target=h100", "--devices=8", "--hosts=2", f"--out={out}", "--config.mesh.preset=ep",
-                "--config.mesh.data=2", "--config.mesh.expert=4", "--config.model.dtype=bfloat16",
-                "--config.parallel.xla_flags=none", "--kernel_resources")
+  """One compile for two hosts of 4 H100s (bfloat16 tiny_moe, `ep` over data=2 x expert=4, the xla tier):
+  the JSON and the verdict, and with --kernel_resources ptxas' figures for every Mosaic GPU kernel of the
+  step (the grouped GEMM kernels here), in the JSON and the printed table, the dumps' temporary folder
+  removed afterwards. The report and the HLO it writes (--hlo) are also held to the routed-rows checks of
+  test_gpu_step_runs_only_routed_rows_and_no_attention_scores (its expert-parallel case, the same program)."""
+  out, hlo = tmp_path / "report.json", tmp_path / "step.hlo"
+  dumps_before = set(Path(tempfile.gettempdir()).glob("meshmoe_kernels_*"))
+  result = _cli("--target=h100", "--devices=8", "--hosts=2", f"--out={out}", f"--hlo={hlo}",
+                "--config.mesh.preset=ep", "--config.mesh.data=2", "--config.mesh.expert=4",
+                "--config.model.dtype=bfloat16", "--config.parallel.impl=xla", "--config.parallel.xla_flags=none",
+                "--kernel_resources")
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["config"]["hosts"] == 2 and report["config"]["mesh"]["expert"] == 4
@@ -87,9 +91,15 @@ def test_command_line_writes_the_report_with_each_kernel_s_registers_and_says_wh
     assert kernel["spill_store_bytes"] >= 0 and kernel["spill_load_bytes"] >= 0, kernel
   assert "Mosaic GPU kernels (compiled: ptxas, per thread)" in result.stdout
   assert set(Path(tempfile.gettempdir()).glob("meshmoe_kernels_*")) == dumps_before
-  # 400,000 sequences per step do not fit 80 GB: the verdict says so and the exit status is 3.
+  config = _config((2, 4, 1, 1), "ep", "xla")
+  config.model.dtype = "bfloat16"
+  _check_routed_rows_and_no_attention_scores(config, (2, 4, 1, 1), report, hlo.read_text())
+  # 400,000 sequences per step do not fit 80 GB: the verdict says so and the exit status is 3. A one-layer
+  # dense model on `dp` (far fewer kernels than tiny_moe's step: a cheaper compile) is still too big (about
+  # 104 GB per device after XLA's rematerialisation).
   too_big = _cli("--target=h100", "--devices=8", "--config.train.global_batch_size=400000",
-                 "--config.parallel.xla_flags=none")
+                 "--config.model.num_layers=1", "--config.model.num_dense_layers=1", "--config.mesh.preset=dp",
+                 "--config.mesh.data=8", "--config.mesh.expert=1", "--config.parallel.xla_flags=none")
   assert too_big.returncode == 3, too_big.stderr[-3000:]
   assert "memory verdict: DOES NOT FIT" in too_big.stdout
 
@@ -195,34 +205,39 @@ def test_pallas_tier_report_accounts_for_the_fused_kernels():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,impl", [((8, 1, 1, 1), "dp", "reference"), ((2, 4, 1, 1), "ep", "xla")],
-                         ids=["one-expert-shard", "expert-parallel"])
-def test_gpu_step_runs_only_routed_rows_and_no_attention_scores(sizes, preset, impl):
+def test_gpu_step_runs_only_routed_rows_and_no_attention_scores():
   """bfloat16 tiny_moe for 8 H100s: the grouped GEMM and attention are GPU kernels (custom calls), so
   XLA's program holds no dense expert GEMM (its matmul FLOPs equal the cost model's outside the kernels,
   which would be short of a dense ragged_dot's E-fold by far) and no float32 [B, heads, S, T] scores; the
-  modelled expert-kernel FLOPs are the routed rows plus tile padding."""
-  config = _config(sizes, preset, impl)
+  modelled expert-kernel FLOPs are the routed rows plus tile padding. Here with one expert shard (dp, the
+  reference tier); the expert-parallel case (ep over data=2 x expert=4, the xla tier) is checked on the
+  command line's report of that program (test_command_line_writes_the_report_...)."""
+  sizes = (8, 1, 1, 1)
+  config = _config(sizes, "dp", "reference")
   config.model.dtype = "bfloat16"
   report = aot.analyze(config, "h100", 8)
-  plan, flops = report.data["plan"], report.data["flops"]
+  _check_routed_rows_and_no_attention_scores(config, sizes, report.data, report.hlo_text)
+
+
+def _check_routed_rows_and_no_attention_scores(config, sizes, data, hlo_text):
+  plan, flops = data["plan"], data["flops"]
   assert plan["ops"]["moe"]["grouped_gemm"] == "kernels" and plan["ops"]["attention"]["kernel_backend"] == "mosaic"
   assert flops["compiled_over_cost_model"] == pytest.approx(1.0, abs=0.10), flops
   # JAX's Hopper kernels run 128-row tiles on one grid: 64 rows per expert from any start span at most 2
   # tiles, 4x the rows (the model counts that bound); a dense ragged_dot would multiply every row by every
   # local expert: 8 and 2 x 4 times the useful FLOPs.
   assert 1.0 <= flops["expert_kernels_over_useful"] <= 4.0, flops
-  assert "ragged-dot" not in report.hlo_text and report.hlo_text.count('custom_call_target="mosaic_gpu') >= 6
+  assert "ragged-dot" not in hlo_text and hlo_text.count('custom_call_target="mosaic_gpu') >= 6
   # The kernels' results carry no mesh type: the expert weights' gradient must still be summed over the
   # devices holding other tokens, as the cost model counts it (without that sum the all-reduce bytes fall
   # to a fifth of the model's at moe_1b). The compiled step all-reduces 0.23 MB more than the model on
   # both layouts (2-8% here), which the model does not yet explain.
-  by_kind = report.data["collective_bytes_by_kind"]
+  by_kind = data["collective_bytes_by_kind"]
   assert by_kind["all-reduce"]["cost_model"] <= by_kind["all-reduce"]["compiled"] <= (
       by_kind["all-reduce"]["cost_model"] + 0.25e6), by_kind
-  if "ragged-all-to-all" in by_kind:
+  if sizes[1] > 1:  # expert parallelism: the tokens travel in ragged all-to-alls of the modelled bytes
     assert by_kind["ragged-all-to-all"]["compiled"] == pytest.approx(by_kind["ragged-all-to-all"]["cost_model"])
   b = config.train.global_batch_size // sizes[0]
   s, n, g = config.train.seq_len, config.model.num_heads, config.model.num_kv_heads
   scores = re.compile(rf"f32\[{b},({n}|{g},{n // g}),{s},{s}\]")  # [B, N, S, T] or grouped [B, G, N/G, S, T]
-  assert not scores.search(report.hlo_text)
+  assert not scores.search(hlo_text)
