@@ -1,5 +1,5 @@
 """Multi-process start-up: the topology from flags or SLURM, experiments.launch, and a 2-process run that
-trains like one process, stops at the same step on SIGTERM and resumes."""
+stops at the same step when one of its processes gets SIGTERM, and resumes."""
 
 import json
 import os
@@ -13,8 +13,7 @@ import pytest
 from meshmoe.runtime import distributed
 from meshmoe.runtime.distributed import Topology, TopologyError
 from tests import runs
-from tests.runs import REPO, STEPS
-from tests.tolerances import FP32_MODEL_RTOL
+from tests.runs import REPO
 
 SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
               "SLURM_STEP_NODELIST": "gpu[017-018,020],login1", "SLURM_LOCALID": "3"}
@@ -70,14 +69,22 @@ def test_train_rejects_half_a_topology(tmp_path):
   assert "Traceback" not in result.stderr
 
 
+# The small model of tests/runs.py, as test_faults.py and test_stragglers.py launch it: its compiled programs
+# are in the session's compile cache once any of them has run. That 2 processes train like one is checked
+# against the one-process reference by test_slurm.py (train.sbatch's 2 tasks) and test_data_runs.py
+# (experiments.launch's 2 processes, resumed from a one-process run's checkpoint).
+SIGTERM_STEPS = 20
+SIGTERM_RUN = [*runs.SMALL_FLAGS, f"--config.train.steps={SIGTERM_STEPS}", "--config.checkpoint.every_steps=100"]
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference_run, tmp_path):
-  """2 processes x 4 devices: SIGTERM to process 1 alone stops both at one step with a checkpoint, exit 0;
-  the re-run resumes, and the losses match the one-process 8-device run."""
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_the_rerun_resumes(tmp_path):
+  """2 processes x 4 devices: SIGTERM to process 1 alone stops both at one step with a checkpoint, exit 0
+  (a preemption notice reaches one host; the processes agree on the step); the re-run resumes there."""
   workdir, output = tmp_path / "run", tmp_path / "first.log"
-  command = runs.launch_command(workdir, *runs.REFERENCE_FLAGS)
+  command = runs.launch_command(workdir, *SIGTERM_RUN)
   launcher = runs.start(command, output)
-  runs.wait_for_step(output, 10, launcher)
+  runs.wait_for_step(output, 2, launcher)
   worker = runs.child_pid(launcher.pid, 1)
   signalled = time.monotonic()
   os.kill(worker, signal.SIGTERM)
@@ -85,10 +92,10 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference_run
   took = time.monotonic() - signalled
   stopped_at = int((workdir / "preempted").read_text())
   print(f"SIGTERM to process 1: both processes stopped at step {stopped_at} with a checkpoint in {took:.1f}s")
-  assert took < 30
+  assert took < 30 and stopped_at < SIGTERM_STEPS
   assert (workdir / "checkpoints" / str(stopped_at)).is_dir()
   log = output.read_text()
-  assert log.count(f"preempted (SIGTERM): stopped at step {stopped_at} of {STEPS}") == 2  # both processes
+  assert log.count(f"preempted (SIGTERM): stopped at step {stopped_at} of {SIGTERM_STEPS}") == 2  # both processes
 
   started = time.monotonic()
   result = runs.run(command)
@@ -96,15 +103,12 @@ def test_two_processes_train_like_one_and_stop_together_on_sigterm(reference_run
   assert f"resuming from the checkpoint of step {stopped_at}" in result.stdout
   assert f"[process 1] resuming from the checkpoint of step {stopped_at}" in result.stdout
   assert not (workdir / "preempted").exists()
-
-  mine, reference = runs.records(workdir), runs.records(reference_run)
-  assert [(r["kind"], r["step"]) for r in mine] == [(r["kind"], r["step"]) for r in reference]  # written once
-  for record, expected in zip(mine, reference, strict=True):
-    for field in ("loss", "cross_entropy", "grad_norm"):
-      if field in expected:
-        assert record[field] == pytest.approx(expected[field], rel=FP32_MODEL_RTOL), (record["step"], field)
+  steps = [r["step"] for r in runs.records(workdir, kinds=("train",))]
+  assert steps == list(range(1, SIGTERM_STEPS + 1))  # each step written once, none lost
   for process in (0, 1):
     text = (workdir / "logs" / f"process_{process}.log").read_text()
     assert f"process {process} of 2 on host" in text and f"resuming from the checkpoint of step {stopped_at}" in text
-  assert "step 24/24" not in (workdir / "logs" / "process_1.log").read_text()  # progress: process 0 only
-  assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == STEPS
+  progress = f"step {SIGTERM_STEPS}/{SIGTERM_STEPS}"
+  assert progress in (workdir / "logs" / "process_0.log").read_text()
+  assert progress not in (workdir / "logs" / "process_1.log").read_text()  # progress: process 0 only
+  assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == SIGTERM_STEPS

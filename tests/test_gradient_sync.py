@@ -191,11 +191,12 @@ def test_train_step_feeds_each_micro_batch_what_the_previous_one_lost():
   batch = {"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)}
   old = state.grad_residual
 
+  @jax.jit  # one program for both micro-batches (arguments, not constants)
   def residual_gradient(micro, residual):
     def loss_of(residual):
       terms = train_step.loss_terms(trainer.graphdef, state.params, state.others, micro, plan, residual)
       return combine_loss_terms(terms, config.model.moe, jnp.sum(batch["mask"]), 2)
-    return jax.jit(jax.grad(loss_of))(residual)
+    return jax.grad(loss_of)(residual)
 
   micro = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]  # rows i, i + 2, ...: the step's split
   expected = residual_gradient(micro[1], residual_gradient(micro[0], old))
