@@ -248,7 +248,7 @@ def test_h100_einsum_program_has_score_buffers():
 
 @pytest.mark.slow
 def test_h100_train_step_runs_the_attention_kernels():
-  """The whole train step (tiny_moe in bf16, head_dim 64, sequence over 4 of 8 H100s, all-gather kind):
+  """The whole train step (tiny_moe in bf16, head_dim 64, sequence over 2 of 8 H100s, all-gather kind):
   the plan predicts tokamax's Mosaic kernels for attention and the compiled step calls them, forward and
   backward, with the custom VJP under the decoder's rematerialisation."""
   from experiments.configs import tiny_moe
