@@ -20,29 +20,36 @@ from meshmoe.config import MeshConfig, ParallelConfig
 from meshmoe.training import train_step
 from tests.model_steps import plan_for
 
+# One compile of the train step per case (10-60 s on 2 cores), so each case must add coverage no other case has.
+# Every preset once, every tier, every attention kind with the sequence split, remat, and each mesh axis > 1:
+# dp, fsdp (and its embedding all-to-all), zero1 (ZeRO-1's gathers after the update), ep over 8 (tiny_moe's
+# own layout), megascale 2x2x1x2 with the reference ring under remat, megascale 1x4x2x1 (all-gather attention
+# over 4, the ops' psums over `tensor`: the all-reduce check), tp_sp with Ulysses, tp_sp 2x2x2x1 on the pallas
+# tier (fused projections and MoE kernels as plain collectives). Left to other cases, not repeated here:
+# tp_sp 2x2x2x1 reference (FEATURES' tp_sp case), megascale 2x2x1x2 all-gather reference (FEATURES'
+# megascale storage case), the xla tier's zigzag ring and chunked MoE (MLA_LAYOUTS' megascale case, FEATURES'
+# xla cases), ep 2x4 on the pallas tier (the same MoE kernels as tp_sp 2x2x2x1 pallas, over ep=2).
 LAYOUTS = [  # (data, expert, tensor, sequence), preset, attention, remat, tier
     ((8, 1, 1, 1), "dp", "allgather", "none", "reference"),
     ((1, 8, 1, 1), "ep", "allgather", "none", "reference"),
-    ((2, 2, 2, 1), "tp_sp", "allgather", "none", "reference"),
-    ((2, 2, 1, 2), "megascale", "allgather", "none", "reference"),
     ((2, 2, 1, 2), "megascale", "ring", "full", "reference"),
     ((1, 4, 2, 1), "megascale", "allgather", "none", "reference"),
     ((4, 1, 1, 2), "tp_sp", "ulysses", "none", "reference"),
     ((8, 1, 1, 1), "fsdp", "allgather", "none", "reference"),
     ((4, 2, 1, 1), "zero1", "allgather", "none", "reference"),
-    # The xla tier's zigzag ring computes 2n+1 of 4n attention blocks, its chunked MoE one group-size
-    # exchange per chunk; the pallas tier's kernels as plain collectives gather whole tile buffers.
-    ((2, 2, 1, 2), "megascale", "ring", "none", "xla"),
-    ((2, 4, 1, 1), "ep", "allgather", "none", "pallas"),
+    # The pallas tier's kernels as plain collectives gather whole tile buffers.
     ((2, 2, 2, 1), "tp_sp", "allgather", "none", "pallas"),
 ]
 EXPLICIT_KINDS = ("all-to-all", "reduce-scatter", "collective-permute")
 # DeepSeek's multi-head latent attention (a query bottleneck, values wider than the rotary-padded scores).
+# megascale 2x2x1x2 on the xla tier: the latents' widths in the zigzag ring's transfers and its 2n+1 of 4n
+# attention blocks (the ring and Ulysses count K/V by the same padded width), remat, the latents' norms
+# summed over `data`, and the xla tier's chunked MoE (one group-size exchange per chunk); tp_sp 2x2x2x1 on
+# the pallas tier: the latent projections tensor-parallel (the reference tier's collectives count the same
+# bytes: cost_collectives._projection). MLA's weights gathered under fsdp are the same attention_weights
+# as their gradients here.
 MLA_LAYOUTS = [
-    ((2, 2, 2, 1), "tp_sp", "allgather", "none", "reference"),
     ((2, 2, 1, 2), "megascale", "ring", "full", "xla"),
-    ((8, 1, 1, 1), "fsdp", "allgather", "none", "reference"),
-    ((4, 1, 1, 2), "tp_sp", "ulysses", "none", "reference"),
     ((2, 2, 2, 1), "tp_sp", "allgather", "none", "pallas"),
 ]
 
@@ -78,82 +85,56 @@ def test_cost_model_matches_compiled_step_with_latent_attention(sizes, preset, a
   _check_against_compiled_step(_latent_attention(_config(sizes, preset, attention, remat, impl)))
 
 
-# Low-precision token exchanges (sharding/exchange_formats.py): wire formats of the dispatch, the combine and
-# their gradients.
-COMPRESSED = [((2, 4, 1, 1), "ep", "xla", ("float8_e4m3fn", "float8_e4m3fn", "auto")),
-              ((2, 2, 1, 2), "megascale", "xla", ("float8_e4m3fn", "bfloat16", "float8_e4m3fn")),
-              ((2, 2, 2, 1), "tp_sp", "reference", ("auto", "float8_e4m3fn", "bfloat16"))]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,impl,formats", COMPRESSED,
-                         ids=[f"{p}-{i}-{'-'.join(f)}" for _, p, i, f in COMPRESSED])
-def test_cost_model_matches_compiled_step_with_low_precision_exchanges(sizes, preset, impl, formats):
-  config = _config(sizes, preset, "allgather", "none", impl)
-  p = config.parallel
-  p.moe_dispatch_dtype, p.moe_combine_dtype, p.moe_exchange_grad_dtype = formats
-  _check_against_compiled_step(config.validate(8))
-
-
-# The two-halves layer schedule calls each op of an MoE layer once per half: the same bytes per exchange in
-# all, twice the in-op weight-gradient all-reduces (megascale checks the all-reduces alone).
-TWO_HALVES = [((2, 2, 1, 2), "megascale", "xla"), ((2, 2, 2, 1), "tp_sp", "reference")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,impl", TWO_HALVES, ids=[f"{p}-{i}" for _, p, i in TWO_HALVES])
-def test_cost_model_matches_compiled_step_with_two_halves(sizes, preset, impl):
-  config = _config(sizes, preset, "allgather", "none", impl)
-  config.parallel.layer_schedule = "two_halves"
-  _check_against_compiled_step(config.validate(8))
-
-
-# The routed experts' gradients summed over `data` compressed (sharding/gradient_sync.py): an all-to-all and an
-# all-gather of int8 or packed signs with their scales, or a bfloat16 all-reduce (megascale checks those).
-GRADIENT_SYNC = [((2, 4, 1, 1), "ep", "xla", "int8"), ((2, 4, 1, 1), "ep", "reference", "sign"),
-                 ((2, 2, 1, 2), "megascale", "xla", "bfloat16")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,impl,compression", GRADIENT_SYNC,
-                         ids=[f"{p}-{i}-{c}" for _, p, i, c in GRADIENT_SYNC])
-def test_cost_model_matches_compiled_step_with_compressed_gradients(sizes, preset, impl, compression):
-  config = _config(sizes, preset, "allgather", "none", impl)
-  config.parallel.gradient_compression = compression
-  _check_against_compiled_step(config.validate(8))
-
-
-# Weights stored split over `data` or over every axis the preset leaves them on (mesh.weight_storage): each
-# layer's weights all-gathered where the ops use them (again in the backward under remat), gradients summed
-# and sliced to their storage. Where the embedding table's model dimension is split over other axes than
-# the batch's, GSPMD gathers the table for the lookup instead of all-to-all-ing the looked-up tokens.
-STORAGE = [  # (data, expert, tensor, sequence), preset, weight storage, remat, tier
-    pytest.param((2, 4, 1, 1), "ep", "all", "full", "reference"),
-    pytest.param((4, 2, 1, 1), "tp_sp", "all", "full", "xla"),
-    pytest.param((2, 2, 1, 2), "megascale", "data", "none", "reference"),
-    pytest.param((2, 2, 2, 1), "tp_sp", "all", "none", "reference"),
+# Features of the step, several per compile (which also checks that their costs add up):
+# - formats: low-precision token exchanges (sharding/exchange_formats.py), the wire formats of the dispatch,
+#   the combine and their gradients; three mixes, each format in several positions, on ep (xla), megascale
+#   (xla, chunked) and tp_sp (reference).
+# - two_halves: the two-halves layer schedule calls each op of an MoE layer once per half: the same bytes per
+#   exchange in all, twice the in-op weight-gradient all-reduces (megascale checks the all-reduces alone);
+#   on the xla and reference tiers.
+# - compression: the routed experts' gradients summed over `data` compressed (sharding/gradient_sync.py): an
+#   all-to-all and an all-gather of int8 or packed signs with their scales, or a bfloat16 all-reduce (on
+#   megascale, whose all-reduces are checked alone; beside two_halves: once per micro-batch whatever the
+#   schedule).
+# - storage: weights stored split over `data` or over every axis the preset leaves them on
+#   (mesh.weight_storage): each layer's weights all-gathered where the ops use them (again in the backward
+#   under remat), gradients summed and sliced to their storage. Where the embedding table's model dimension
+#   is split over other axes than the batch's (tp_sp 4x2x1x1: tensor is 1), GSPMD gathers the table for the
+#   lookup instead of all-to-all-ing the looked-up tokens. Not with compression (Config refuses it).
+# - accumulation: two micro-batches of 16 sequences: the step carries a float32 gradient sum beside each
+#   micro-batch's; the in-op collectives, compressed sums and storage gathers once per micro-batch.
+FEATURES = [  # (data, expert, tensor, sequence), preset, tier, remat, features
+    ((2, 2, 1, 2), "megascale", "xla", "none",
+     dict(formats=("float8_e4m3fn", "bfloat16", "float8_e4m3fn"), two_halves=True, compression="bfloat16")),
+    ((2, 2, 2, 1), "tp_sp", "reference", "none",
+     dict(formats=("auto", "float8_e4m3fn", "bfloat16"), two_halves=True, storage="all")),
+    ((2, 4, 1, 1), "ep", "xla", "none",
+     dict(formats=("float8_e4m3fn", "float8_e4m3fn", "auto"), compression="int8", accumulation=True)),
+    ((2, 4, 1, 1), "ep", "reference", "full", dict(compression="sign", accumulation=True)),
+    ((2, 4, 1, 1), "ep", "reference", "full", dict(storage="all")),
+    ((4, 2, 1, 1), "tp_sp", "xla", "full", dict(storage="all")),
+    ((2, 2, 1, 2), "megascale", "reference", "none", dict(storage="data", accumulation=True)),
 ]
 
 
+def _feature_id(sizes, preset, impl, remat, features) -> str:
+  values = [f"{k}={'-'.join(v) if isinstance(v, tuple) else v}" for k, v in features.items()]
+  return "-".join([preset, "x".join(map(str, sizes)), impl, remat, *values])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,storage,remat,impl", STORAGE,
-                         ids=[f"{p.values[1]}-{'x'.join(map(str, p.values[0]))}-{p.values[2]}-{p.values[3]}-"
-                              f"{p.values[4]}" for p in STORAGE])
-def test_cost_model_matches_compiled_step_with_weight_storage(sizes, preset, storage, remat, impl):
+@pytest.mark.parametrize("sizes,preset,impl,remat,features", FEATURES, ids=[_feature_id(*f) for f in FEATURES])
+def test_cost_model_matches_compiled_step_with_features(sizes, preset, impl, remat, features):
   config = _config(sizes, preset, "allgather", remat, impl)
-  config.mesh.weight_storage = storage
-  _check_against_compiled_step(config.validate(8))
-
-
-ACCUMULATING = [((8, 1, 1, 1), "dp", "none"), ((2, 4, 1, 1), "ep", "full"), ((2, 2, 1, 2), "megascale", "none")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset,remat", ACCUMULATING, ids=[p for _, p, _ in ACCUMULATING])
-def test_cost_model_matches_compiled_step_with_gradient_accumulation(sizes, preset, remat):
-  """Two micro-batches of 16 sequences: the step carries a float32 gradient sum beside each micro-batch's."""
-  config = _config(sizes, preset, "allgather", remat)
-  config.train.global_batch_size, config.train.grad_accum_steps = 32, 2
+  p = config.parallel
+  if "formats" in features:
+    p.moe_dispatch_dtype, p.moe_combine_dtype, p.moe_exchange_grad_dtype = features["formats"]
+  if features.get("two_halves"):
+    p.layer_schedule = "two_halves"
+  p.gradient_compression = features.get("compression", "none")
+  config.mesh.weight_storage = features.get("storage", "preset")
+  if features.get("accumulation"):
+    config.train.global_batch_size, config.train.grad_accum_steps = 32, 2
   _check_against_compiled_step(config.validate(8))
 
 
@@ -220,7 +201,9 @@ def _moments(state) -> list:
 
 def test_useful_flops_do_not_depend_on_the_layout():
   """Model FLOPs (what MFU divides by) are a property of the model and batch, not of the mesh."""
-  configs = [_config(*layout) for layout in LAYOUTS]
+  layouts = LAYOUTS + MLA_LAYOUTS + [(sizes, preset, "allgather", remat, impl)
+                                     for sizes, preset, impl, remat, _ in FEATURES]
+  configs = [_config(*layout) for layout in layouts]
   values = {cost_model.step_cost(config, plan_for(config)).model_flops for config in configs}
   assert len(values) == 1
 

@@ -23,20 +23,21 @@ def small_config(heads: tuple[int, int] = (4, 2), **moe_overrides) -> Config:
   )
 
 
+# One compile of the sharded loss and gradients per case (10-35 s on 2 cores): each case adds a layout no
+# other case in this file runs. Here: ep over 8 (tiny_moe's own layout), zero1 (for loss and gradients the
+# `dp` placement: parameters whole, the batch over every axis), fsdp over three axes, megascale with `tensor`
+# and `sequence` split. The rest of the layouts run in the families below, with one more feature each:
+# dp 8x1x1x1 (FLASH_LAYOUTS), megascale 2x2x1x2 all-gather (FLASH_LAYOUTS; the einsum all-gather blocks run
+# on megascale 1x2x2x2 here), tp_sp 2x2x2x1 (TWO_HALVES_LAYOUTS, the sigmoid test, STORAGE_LAYOUTS), ep 2x4
+# (STORAGE_LAYOUTS), tp_sp 2x1x2x2 and megascale 1x2x1x4 (ATTENTION_LAYOUTS, FLASH_LAYOUTS), megascale
+# 1x4x2x1 (TWO_HALVES_LAYOUTS); tp_sp 1x4x2x1 is tp_sp 2x2x2x1's program with the experts over 4, and fsdp
+# 8x1x1x1 is fsdp 2x2x2x1's (every axis splits the batch and `embed` alike).
 # (data, expert, tensor, sequence), preset
 LAYOUTS = [
-    ((8, 1, 1, 1), "dp"),
     ((1, 8, 1, 1), "ep"),
-    ((2, 2, 2, 1), "tp_sp"),
-    ((2, 2, 1, 2), "megascale"),
-    ((1, 4, 2, 1), "tp_sp"),
-    ((8, 1, 1, 1), "fsdp"),
     ((4, 2, 1, 1), "zero1"),
-    ((2, 1, 2, 2), "tp_sp"),
-    ((1, 2, 1, 4), "megascale"),
-    ((2, 4, 1, 1), "ep"),
-    ((1, 2, 2, 2), "megascale"),
     ((2, 2, 2, 1), "fsdp"),
+    ((1, 2, 2, 2), "megascale"),
 ]
 
 
@@ -107,7 +108,11 @@ def test_dropless_model_matches_single_device(sizes, preset):
 # with_storage), gathered per layer where the ops use them. (mesh sizes, preset, weight storage, tier)
 # megascale 2x2x1x2 and tp_sp 2x2x2x1 with the reference tier under both storages are test_step.py's
 # whole optimizer steps against one device (test_weight_storage_step_matches_single_device), not repeated.
-STORAGE_LAYOUTS = [((2, 4, 1, 1), "ep", "all", "reference"), ((4, 2, 1, 1), "zero1", "data", "reference"),
+# Each storage on each tier: "all" on ep 2x4 (also the plain ep 2x4 reference layout: experts over 4 with
+# data replicas) and on the pallas tier's tp_sp 2x2x2x1 (also that layout's plain pallas case), "data" on
+# the xla tier and on the pallas tier's ep 2x4 (also its plain pallas case). "data" on zero1 4x2x1x1 is
+# fsdp's `embed` split over `data` alone, which megascale's and ep's "data" cases gather too.
+STORAGE_LAYOUTS = [((2, 4, 1, 1), "ep", "all", "reference"),
                    ((2, 2, 1, 2), "megascale", "data", "xla"), ((2, 2, 2, 1), "tp_sp", "all", "pallas"),
                    ((2, 4, 1, 1), "ep", "data", "pallas")]
 
@@ -120,11 +125,13 @@ def test_weight_storage_matches_single_device(sizes, preset, storage, impl):
                 parallel=ParallelConfig(impl=impl, kernel_backend="collectives"))
 
 
-# Context-parallel attention kinds other than the default all-gather, on layouts that split the sequence.
+# Context-parallel attention kinds other than the default all-gather, on layouts that split the sequence,
+# with the einsum blocks: the ring over all 8 devices (megascale 1x2x1x4), Ulysses on tp_sp (sequence only)
+# and on megascale with the heads also split over `tensor` (2x1x2x2). The ring on tp_sp 2x1x2x2 and Ulysses
+# on megascale 2x2x1x2 are FLASH_LAYOUTS' cases (the same exchanges; blocks by the kernel path), and the
+# ring's einsum blocks run here; megascale 2x2x1x2's ring is the same ring as 1x2x1x4's, over 4.
 ATTENTION_LAYOUTS = [
-    ((2, 2, 1, 2), "megascale", "ring"), ((1, 2, 1, 4), "megascale", "ring"), ((2, 1, 2, 2), "tp_sp", "ring"),
-    ((2, 2, 1, 2), "megascale", "ulysses"), ((4, 1, 1, 2), "tp_sp", "ulysses"),
-    ((2, 1, 2, 2), "megascale", "ulysses"),
+    ((1, 2, 1, 4), "megascale", "ring"), ((4, 1, 1, 2), "tp_sp", "ulysses"), ((2, 1, 2, 2), "megascale", "ulysses"),
 ]
 
 
@@ -139,7 +146,9 @@ def test_context_parallel_kinds_match_single_device(sizes, preset, attention):
 
 # Attention's blocks by the kernel path (sharding/attention_kernels.py; tokamax's XLA version on CPU): the
 # blocks, their merging and their custom backward inside the whole model, against the einsum path on one
-# device. (mesh sizes, preset, attention kind, tier)
+# device. (mesh sizes, preset, attention kind, tier) Every kind: local (dp, also this file's only dp case),
+# all-gather and Ulysses on megascale 2x2x1x2 (also that layout's plain reference case), the reference ring
+# on tp_sp 2x1x2x2 and the xla tier's zigzag ring on megascale 1x2x1x4.
 FLASH_LAYOUTS = [((8, 1, 1, 1), "dp", "allgather", "reference"), ((2, 2, 1, 2), "megascale", "allgather", "reference"),
                  ((1, 2, 1, 4), "megascale", "ring", "xla"), ((2, 1, 2, 2), "tp_sp", "ring", "reference"),
                  ((2, 2, 1, 2), "megascale", "ulysses", "reference")]
@@ -154,48 +163,47 @@ def test_attention_kernel_path_matches_single_device(sizes, preset, attention, i
                 parallel=ParallelConfig(impl=impl, attention=attention, attention_kernel="tokamax"))
 
 
+# Capacity drops (per sequence) on the reference tier where the sequence is split over all 8 devices. The
+# other capacity cases: the batch split alone (ep 2x4 on the pallas tier, with warp-specialized tiles,
+# below), the sequence gathered over `tensor` for the MoE (tp_sp 2x2x2x1 on the reference tier: the sigmoid
+# test), megascale 2x2x1x2 (xla tier, two halves: TWO_HALVES_LAYOUTS).
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset", [((2, 4, 1, 1), "ep"), ((2, 2, 1, 2), "megascale"),
-                                          ((2, 2, 2, 1), "tp_sp"), ((1, 2, 1, 4), "megascale")])
+@pytest.mark.parametrize("sizes,preset", [((1, 2, 1, 4), "megascale")])
 def test_capacity_model_matches_single_device(sizes, preset):
   _check_layout("capacity", {"capacity_factor": 0.75}, sizes, preset)
 
 
 @pytest.mark.slow
-def test_sigmoid_bias_ragged_dot_model_matches_single_device():
-  overrides = {"score_fn": "sigmoid", "expert_bias": True, "routed_scaling": 2.0}
-  _check_layout("sigmoid", overrides, (2, 2, 2, 1), "tp_sp", parallel=ParallelConfig(grouped_gemm="ragged_dot"))
+def test_sigmoid_bias_ragged_dot_model_with_capacity_matches_single_device():
+  """Sigmoid scores with a selection bias and routed scaling, XLA's ragged dot, and capacity drops (which
+  the biased scores order) on tp_sp 2x2x2x1, whose MoE gathers the sequence over `tensor`."""
+  overrides = {"score_fn": "sigmoid", "expert_bias": True, "routed_scaling": 2.0, "capacity_factor": 0.75}
+  _check_layout("sigmoid_capacity", overrides, (2, 2, 2, 1), "tp_sp",
+                parallel=ParallelConfig(grouped_gemm="ragged_dot"))
 
 
 # The pallas tier's data layouts (the MoE tile plan, the collective GEMMs' row blocks and concatenated
 # weights, the custom gradients' plumbing) with each kernel replaced by its plain-collective reference:
-# the same layouts the Mosaic GPU kernels use on GPUs, checked on CPU.
-PALLAS_LAYOUTS = [((2, 4, 1, 1), "ep"), ((2, 2, 2, 1), "tp_sp"), ((1, 4, 2, 1), "megascale")]
+# the same layouts the Mosaic GPU kernels use on GPUs, checked on CPU. Its plain layouts run in other
+# families, each with one more feature: tp_sp 2x2x2x1 (fused projections and MoE kernels) and ep 2x4 (MoE
+# kernels over 4) in STORAGE_LAYOUTS, megascale 1x4x2x1 in TWO_HALVES_LAYOUTS; ep 2x4 here with the two
+# features below (one compile).
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,preset", PALLAS_LAYOUTS, ids=[f"{p}-{'x'.join(map(str, s))}" for s, p in PALLAS_LAYOUTS])
-def test_pallas_tier_layouts_match_single_device(sizes, preset):
-  _check_layout("dropless", {}, sizes, preset, parallel=ParallelConfig(impl="pallas", kernel_backend="collectives"))
-
-
-@pytest.mark.slow
-def test_pallas_tier_with_warp_specialized_tiles_matches_single_device():
-  """`parallel.kernel_tiles="warp_specialized"`: the MoE tile plan in the kernels' 128-row tiles."""
-  _check_layout("dropless", {}, (2, 4, 1, 1), "ep", parallel=ParallelConfig(
+def test_pallas_tier_with_warp_specialized_tiles_and_capacity_drops_matches_single_device():
+  """`parallel.kernel_tiles="warp_specialized"`: the MoE tile plan in the kernels' 128-row tiles, with
+  capacity drops (dropped assignments never sent or computed) in those tiles."""
+  _check_layout("capacity", {"capacity_factor": 0.75}, (2, 4, 1, 1), "ep", parallel=ParallelConfig(
       impl="pallas", kernel_backend="collectives", kernel_tiles="warp_specialized"))
 
 
-@pytest.mark.slow
-def test_pallas_tier_with_capacity_drops_matches_single_device():
-  _check_layout("capacity", {"capacity_factor": 0.75}, (2, 4, 1, 1), "ep",
-                parallel=ParallelConfig(impl="pallas", kernel_backend="collectives"))
-
-
 # The two-halves layer schedule (models/decoder.py): each device's rows cut in two halves whose attention and
-# MoE alternate, against the sequential single-device model. Every tier, with and without capacity drops
-# (capacity is per sequence, so halves of the rows drop what the whole batch drops).
-TWO_HALVES_LAYOUTS = [((2, 2, 1, 2), "megascale", "xla", {}), ((2, 2, 2, 1), "tp_sp", "reference", {}),
+# MoE alternate, against the sequential single-device model. Every tier (reference on tp_sp 2x2x2x1, pallas on
+# megascale 1x4x2x1, also the pallas tier's plain case of that layout), with and without capacity drops
+# (capacity is per sequence, so halves of the rows drop what the whole batch drops; the xla tier's case has
+# them, and covers megascale 2x2x1x2 on the xla tier without them).
+TWO_HALVES_LAYOUTS = [((2, 2, 2, 1), "tp_sp", "reference", {}),
                       ((1, 4, 2, 1), "megascale", "pallas", {}),
                       ((2, 2, 1, 2), "megascale", "xla", {"capacity_factor": 0.75})]
 
