@@ -35,11 +35,6 @@ BF16_RTOL = 2.0**-7
 # its kernel ends (`_record_gpu_verdicts`).
 GPU_INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 gpu_race_verdicts: list[bool] = []
-# (mesh shape over ("a", "b"), the ring's axes): rings of 4 and 8 devices, one over two mesh axes (its
-# positions run over both), and one of 4 where the other axis holds independent rings.
-RINGS = [((2, 1), ("a",)), ((4, 1), ("a",)), ((2, 2), ("a", "b")), ((8, 1), ("a",)), ((2, 4), ("a", "b")),
-         ((4, 2), ("a",))]
-RING_IDS = ["2", "4", "2x2", "8", "2x4", "4-of-4x2"]
 # The twins' tiles for the tests' small shapes (8-row blocks, widths 16 and 24): several tiles per dimension.
 TWIN_TILES = Tiles(block_m=4, block_n=8, block_k=8)
 
