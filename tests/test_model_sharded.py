@@ -77,6 +77,7 @@ def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: s
     assert_close(grads[path], ref_grads[path], FP32_MODEL_RTOL, f"grad {'/'.join(map(str, path))}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes,preset,storage", [((2, 2, 1, 2), "megascale", "preset"), ((2, 2, 2, 1), "tp_sp", "all")])
 def test_sharded_initialiser_creates_the_single_device_values_in_place(sizes, preset, storage):
   """model_state.init_model, jitted with the plan's shardings as outputs, gives every variable bit for bit
