@@ -111,6 +111,33 @@ def initialize(topology: Topology, watchdog_timeout_s: float) -> None:
       cluster_detection_method="deactivate", heartbeat_timeout_seconds=int(watchdog_timeout_s) + 60)
 
 
+# How long a process waits at `barrier` for the others: longer than any start-up work one process may do
+# alone (compiling a large model while the others load it from the compilation cache, reading a checkpoint).
+# A dead process does not make the others wait this long: the coordination service's heartbeat ends them.
+BARRIER_TIMEOUT_S = 3600
+_barriers_passed = 0
+
+
+def barrier(name: str) -> None:
+  """Every process waits here until all have arrived (a no-op for a single process).
+
+  Through JAX's coordination service, not a device collective: gloo, which carries CPU processes'
+  collectives, gives up on a collective's first meeting after 30 s ("Gloo context initialization failed:
+  DEADLINE_EXCEEDED"), so a collective that processes reach at different times (after loading a checkpoint,
+  tokenizing a corpus or compiling) fails under load. The first collective after such work comes after a
+  barrier. Every process must call the same barriers in the same order: the name gets a sequence number,
+  since the service does not let a name be used twice."""
+  global _barriers_passed
+  import jax
+
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # the coordination client has no public accessor
+
+  _barriers_passed += 1
+  jax_distributed.global_state.client.wait_at_barrier(f"{name} #{_barriers_passed}", BARRIER_TIMEOUT_S * 1000)
+
+
 def describe(topology: Topology) -> str:
   """One line for the log: which process, where, with which devices."""
   import jax

@@ -35,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshmoe.config import CheckpointConfig
+from meshmoe.runtime import distributed
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 # TrainState's error-feedback field, the checkpoint item that holds it and the prefix of its arrays'
@@ -181,7 +182,7 @@ class Checkpointer:
     unfinished = sorted(self.directory.glob(f"*{_TMP_MARKER}*"))
     # Every process lists them before process 0 moves any: a process listing later would find none, skip
     # the barriers of _set_aside, and leave the others waiting there: a resume after a kill mid-save would hang.
-    _barrier("meshmoe_listed_unfinished_saves")
+    distributed.barrier("meshmoe: listed unfinished saves")
     for path in unfinished:
       self._set_aside(path, f"the unfinished save {path.name} (the run stopped while writing it)")
 
@@ -193,7 +194,7 @@ class Checkpointer:
       target.parent.mkdir(parents=True, exist_ok=True)
       shutil.move(path, target)
       print(f"moved {what} from {path.parent} to {target}", flush=True)
-    _barrier(f"meshmoe_set_aside_{path.name}")
+    distributed.barrier(f"meshmoe: set aside {path.name}")
     self._manager.reload()
 
 
@@ -252,8 +253,3 @@ def _agree(error: str | None) -> str | None:
   return error
 
 
-def _barrier(name: str) -> None:
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)

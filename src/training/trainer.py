@@ -28,7 +28,7 @@ from meshmoe.analysis import cost_model
 from meshmoe.config import Config, ConfigError, profile_range
 from meshmoe.data import pipeline as data_lib
 from meshmoe.models import hf_checkpoint, hf_export
-from meshmoe.runtime import nonfinite, resilience, stragglers
+from meshmoe.runtime import distributed, nonfinite, resilience, stragglers
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.training import hf_convert, metrics as metrics_lib, model_state, report, sampling, train_step
@@ -109,7 +109,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
   if jax.process_count() > 1:
     # Processes finish compiling at different times (or load the step from the compilation cache); without
     # meeting here, the first step's collectives would wait for the slowest inside the watchdog's watch.
-    multihost_utils.sync_global_devices("meshmoe: steps compiled")
+    distributed.barrier("meshmoe: steps compiled")
 
   loop = _Loop(config, workdir, step_fn, eval_fn, data, eval_batches, checkpointer, plan, step_delay_s,
                nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps))
