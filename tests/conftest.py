@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices, float32 matmuls at full precision; the session's reference run."""
 import atexit
+import contextlib
 import fcntl
 import os
 import shutil
@@ -20,11 +21,32 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
   if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One JAX compilation cache for the training runs the tests start (tests/runs.py), made by the pytest
-# process that starts the session (xdist's workers inherit it) and removed when that process exits.
-if "MESHMOE_TEST_RUN_CACHE" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
-  os.environ["MESHMOE_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
-  atexit.register(shutil.rmtree, os.environ["MESHMOE_TEST_RUN_CACHE"], ignore_errors=True)
+# JAX's persistent compilation cache for every CPU program the tests compile, in this process and in the
+# training runs they start (tests/runs.py): a program compiled by two tests, or by a run and its restart, or
+# by the last session when the code it comes from is unchanged, is compiled once. The key is the program
+# with its debug information stripped, the compile options (XLA flags) and the jaxlib version, so any change
+# that changes a program misses. It lives in the user's cache folder, as pip's and Bazel's do, pruned at
+# start to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps one for this
+# session only, removed at exit (Bazel's sandboxed tests always do), and any other value names the folder.
+PERSISTENT_CACHE_BYTES = 3 << 30
+if "MESHMOE_TEST_JIT_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
+  chosen = os.environ.get("MESHMOE_TEST_JIT_CACHE", "session" if os.environ.get("TEST_TMPDIR") else "")
+  if chosen == "session":
+    os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
+    atexit.register(shutil.rmtree, os.environ["MESHMOE_TEST_JIT_CACHE_DIR"], ignore_errors=True)
+  else:
+    folder = chosen or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                    "meshmoe", "test-jit-cache")
+    os.makedirs(folder, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # another session pruning at once
+      entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder) if e.is_file())
+      total = sum(size for _, size, _ in entries)
+      for _, size, path in entries:  # oldest first
+        if total <= PERSISTENT_CACHE_BYTES:
+          break
+        os.remove(path)
+        total -= size
+    os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = folder
 # Raw data sources are tokenized into this cache on first use (src/data/tokenizing.py): one per machine for
 # the test processes (they fill it safely at once), not the user's ~/.cache; Bazel's sandbox has TEST_TMPDIR.
 os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir(),
@@ -33,6 +55,22 @@ os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR"
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", os.environ["MESHMOE_TEST_JIT_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # smaller ones recompile faster than read
+jax.config.update("jax_persistent_cache_enable_xla_caches", "none")  # XLA's GPU autotuning caches: not wanted
+
+
+def _cpu_programs_only():
+  """Keep deviceless GPU programs out of the cache: JAX writes them but cannot read them back ("PjRtCompiler
+  must be constructed with a Client to call DeserializeLoadedExecutable"), so each would cost a write, a
+  failed read and a warning. JAX has no per-compile switch; this wraps its one check (private API)."""
+  from jax._src import compilation_cache
+
+  is_cache_used = compilation_cache.is_cache_used
+  compilation_cache.is_cache_used = lambda backend: backend.platform == "cpu" and is_cache_used(backend)
+
+
+_cpu_programs_only()
 
 
 import pytest  # noqa: E402
