@@ -21,20 +21,26 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
   if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# JAX's persistent compilation cache for every CPU program the tests compile, in this process and in the
-# training runs they start (tests/runs.py): a program compiled by two tests, or by a run and its restart, or
-# by the last session when the code it comes from is unchanged, is compiled once. The key is the program
-# with its debug information stripped, the compile options (XLA flags) and the jaxlib version, so any change
-# that changes a program misses. It lives in the user's cache folder, as pip's and Bazel's do, pruned at
-# start to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps one for this
-# session only, removed at exit (Bazel's sandboxed tests always do), and any other value names the folder.
+# JAX's persistent compilation cache for every CPU program the tests compile in-process: a program compiled
+# by two tests, or by the last session when the code it comes from is unchanged, is compiled once. The key
+# is the program with its debug information stripped, the compile options (XLA flags) and the jaxlib
+# version, so any change that changes a program misses. It lives in the user's cache folder, as pip's and
+# Bazel's do, pruned at start to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps
+# one for this session only, removed at exit (Bazel's sandboxed tests always do), and any other value names
+# the folder.
 PERSISTENT_CACHE_BYTES = 3 << 30
-if "MESHMOE_TEST_JIT_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
-  chosen = os.environ.get("MESHMOE_TEST_JIT_CACHE", "session" if os.environ.get("TEST_TMPDIR") else "")
-  if chosen == "session":
-    os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
-    atexit.register(shutil.rmtree, os.environ["MESHMOE_TEST_JIT_CACHE_DIR"], ignore_errors=True)
-  else:
+# The training runs the tests start (tests/runs.py) share a cache of their own, made for the session: a
+# multi-process run whose processes found different entries from an earlier session would reach its first
+# collective apart by a compile (seen: gloo's 30 s context deadline exceeded in a 2-process run).
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+  for variable, chosen in (("MESHMOE_TEST_RUN_CACHE", "session"),
+                           ("MESHMOE_TEST_JIT_CACHE_DIR", os.environ.get("MESHMOE_TEST_JIT_CACHE", ""))):
+    if variable in os.environ:
+      continue
+    if chosen == "session" or os.environ.get("TEST_TMPDIR"):
+      os.environ[variable] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
+      atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+      continue
     folder = chosen or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                     "meshmoe", "test-jit-cache")
     os.makedirs(folder, exist_ok=True)
@@ -46,7 +52,7 @@ if "MESHMOE_TEST_JIT_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST
           break
         os.remove(path)
         total -= size
-    os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = folder
+    os.environ[variable] = folder
 # Raw data sources are tokenized into this cache on first use (src/data/tokenizing.py): one per machine for
 # the test processes (they fill it safely at once), not the user's ~/.cache; Bazel's sandbox has TEST_TMPDIR.
 os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir(),

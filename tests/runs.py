@@ -38,9 +38,9 @@ SMALL_FLAGS = ["--config.model.num_layers=2", "--config.train.seq_len=64", "--co
 
 # JAX's persistent compilation cache for the runs: a restarted or repeated run loads the compiled steps
 # instead of compiling them again, as a user's restarts do with JAX_COMPILATION_CACHE_DIR set (README.md,
-# "Multi-host runs and faults"). The tests' cache (tests/conftest.py, MESHMOE_TEST_JIT_CACHE_DIR); a
-# session's own when this module is used without pytest.
-_COMPILE_CACHE = os.environ.get("MESHMOE_TEST_JIT_CACHE_DIR")
+# "Multi-host runs and faults"). One for the test session (tests/conftest.py makes it and passes it down as
+# MESHMOE_TEST_RUN_CACHE); a process of its own when this module is used without pytest.
+_COMPILE_CACHE = os.environ.get("MESHMOE_TEST_RUN_CACHE")
 if not _COMPILE_CACHE:
   _COMPILE_CACHE = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
   atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
