@@ -29,9 +29,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # one for this session only, removed at exit (Bazel's sandboxed tests always do), and any other value names
 # the folder.
 PERSISTENT_CACHE_BYTES = 3 << 30
-# The training runs the tests start (tests/runs.py) share a cache of their own, made for the session: a
-# multi-process run whose processes found different entries from an earlier session would reach its first
-# collective apart by a compile (seen: gloo's 30 s context deadline exceeded in a 2-process run).
+# The training runs the tests start (tests/runs.py) share a cache of their own, made for the session: with
+# the kept cache, a 2-process run once failed at its first train step on gloo's 30 s context deadline (one
+# process reached the collective that much later; which program it was compiling is not pinned down).
 if not os.environ.get("PYTEST_XDIST_WORKER"):
   for variable, chosen in (("MESHMOE_TEST_RUN_CACHE", "session"),
                            ("MESHMOE_TEST_JIT_CACHE_DIR", os.environ.get("MESHMOE_TEST_JIT_CACHE", ""))):
