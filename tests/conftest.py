@@ -32,27 +32,36 @@ PERSISTENT_CACHE_BYTES = 3 << 30
 # The training runs the tests start (tests/runs.py) share a cache of their own, made for the session: with
 # the kept cache, a 2-process run once failed at its first train step on gloo's 30 s context deadline (one
 # process reached the collective that much later; which program it was compiling is not pinned down).
-if not os.environ.get("PYTEST_XDIST_WORKER"):
-  for variable, chosen in (("MESHMOE_TEST_RUN_CACHE", "session"),
-                           ("MESHMOE_TEST_JIT_CACHE_DIR", os.environ.get("MESHMOE_TEST_JIT_CACHE", ""))):
-    if variable in os.environ:
-      continue
+
+
+def _session_cache(variable: str) -> None:
+  os.environ[variable] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
+  atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+
+
+def _kept_cache(folder: str) -> str:
+  os.makedirs(folder, exist_ok=True)
+  with contextlib.suppress(FileNotFoundError):  # another session pruning at once
+    entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder) if e.is_file())
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in entries:  # oldest first
+      if total <= PERSISTENT_CACHE_BYTES:
+        break
+      os.remove(path)
+      total -= size
+  return folder
+
+
+if not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's workers inherit the session process' choice
+  if "MESHMOE_TEST_RUN_CACHE" not in os.environ:
+    _session_cache("MESHMOE_TEST_RUN_CACHE")
+  if "MESHMOE_TEST_JIT_CACHE_DIR" not in os.environ:
+    chosen = os.environ.get("MESHMOE_TEST_JIT_CACHE", "")
     if chosen == "session" or os.environ.get("TEST_TMPDIR"):
-      os.environ[variable] = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
-      atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
-      continue
-    folder = chosen or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                    "meshmoe", "test-jit-cache")
-    os.makedirs(folder, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):  # another session pruning at once
-      entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(folder) if e.is_file())
-      total = sum(size for _, size, _ in entries)
-      for _, size, path in entries:  # oldest first
-        if total <= PERSISTENT_CACHE_BYTES:
-          break
-        os.remove(path)
-        total -= size
-    os.environ[variable] = folder
+      _session_cache("MESHMOE_TEST_JIT_CACHE_DIR")
+    else:
+      os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = _kept_cache(chosen or os.path.join(
+          os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshmoe", "test-jit-cache"))
 # Raw data sources are tokenized into this cache on first use (src/data/tokenizing.py): one per machine for
 # the test processes (they fill it safely at once), not the user's ~/.cache; Bazel's sandbox has TEST_TMPDIR.
 os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir(),
