@@ -24,10 +24,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache for every CPU program the tests compile in-process: a program compiled
 # by two tests, or by the last session when the code it comes from is unchanged, is compiled once. The key
 # is the program with its debug information stripped, the compile options (XLA flags) and the jaxlib
-# version, so any change that changes a program misses. It lives in the user's cache folder, as pip's and
-# Bazel's do, pruned at start to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps
-# one for this session only, removed at exit (Bazel's sandboxed tests always do), and any other value names
-# the folder.
+# version, so any change that changes a program misses. Beside it, meshmoe's cache of the programs compiled
+# only to be read (deviceless GPU compiles above all, which JAX's cache cannot hold;
+# src/analysis/compiled_cache.py), keyed the same way. Both live in the user's cache folder
+# (~/.cache/meshmoe/test-jit-cache and test-analysis-cache), as pip's and Bazel's do, each pruned at start
+# to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps them for this session only,
+# removed at exit (Bazel's sandboxed tests always do), and any other value names the folder that holds them.
 PERSISTENT_CACHE_BYTES = 3 << 30
 # The training runs the tests start (tests/runs.py) share a cache of their own, made for the session: with
 # the kept cache, a 2-process run once failed at its first train step on gloo's 30 s context deadline (one
@@ -59,9 +61,11 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's workers inherit the ses
     chosen = os.environ.get("MESHMOE_TEST_JIT_CACHE", "")
     if chosen == "session" or os.environ.get("TEST_TMPDIR"):
       _session_cache("MESHMOE_TEST_JIT_CACHE_DIR")
+      _session_cache("MESHMOE_ANALYSIS_CACHE_DIR")
     else:
-      os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = _kept_cache(chosen or os.path.join(
-          os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshmoe", "test-jit-cache"))
+      kept = chosen or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshmoe")
+      os.environ["MESHMOE_TEST_JIT_CACHE_DIR"] = _kept_cache(os.path.join(kept, "test-jit-cache"))
+      os.environ["MESHMOE_ANALYSIS_CACHE_DIR"] = _kept_cache(os.path.join(kept, "test-analysis-cache"))
 # Raw data sources are tokenized into this cache on first use (src/data/tokenizing.py): one per machine for
 # the test processes (they fill it safely at once), not the user's ~/.cache; Bazel's sandbox has TEST_TMPDIR.
 os.environ.setdefault("MESHMOE_CACHE", os.path.join(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir(),

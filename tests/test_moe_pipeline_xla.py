@@ -163,7 +163,7 @@ def _h100(sizes, preset, parallel, grad=False, tokens_dtype=jnp.float32) -> hlo_
   program = jax.grad(loss, argnums=(0, 2, 3)) if grad else fn
   with deviceless.targeting(mesh):
     lowered = jax.jit(program).lower(*args)
-  return hlo_module.parse(lowered.compile(compiler_options={**_SCHEDULER, **deviceless.ANALYSIS_OPTIONS}).as_text())
+  return hlo_module.parse(deviceless.compile_for_analysis(lowered, _SCHEDULER).as_text())
 
 
 def _runs_a_dot(module: hlo_module.HloModule, instruction: hlo_module.Instruction) -> bool:
@@ -271,7 +271,7 @@ def test_h100_exchange_buffers_are_made_in_each_layer(parallel):
   args = (abstract(x.astype(jnp.bfloat16), tokens), abstract(experts, tokens), abstract(weights, tokens), stacked)
   with deviceless.targeting(mesh):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).lower(*args)
-  module = hlo_module.parse(lowered.compile(compiler_options={**_SCHEDULER, **deviceless.ANALYSIS_OPTIONS}).as_text())
+  module = hlo_module.parse(deviceless.compile_for_analysis(lowered, _SCHEDULER).as_text())
   assert _count(module, ("all-reduce", "all-reduce-start")) == 0
   exchanges = [(c, i) for c, i in module.instructions() if i.opcode in ("ragged-all-to-all", "ragged-all-to-all-start")]
   assert len(exchanges) >= 4  # the forward's two, the backward's recomputed two and their transposes

@@ -18,7 +18,7 @@ import importlib.resources
 import jax
 from jax.experimental import topologies
 
-from meshmoe.analysis import gpus
+from meshmoe.analysis import compiled_cache, gpus
 
 TARGETS = tuple(gpus.gpu(name).target for name in gpus.GPUS)  # spec file stems, gpus.py's GPUs in its order
 # XLA flags a deviceless compile needs. Large sorts (the MoE dispatch sorts 10^5+ assignments) become
@@ -34,9 +34,10 @@ ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
                     "xla_gpu_disable_gpuasm_optimizations": True}
 
 
-def compile_for_analysis(lowered):
-  """`lowered.compile()` with ANALYSIS_OPTIONS, for programs compiled only to be read."""
-  return lowered.compile(compiler_options=ANALYSIS_OPTIONS)
+def compile_for_analysis(lowered, options: dict | None = None) -> compiled_cache.CompiledProgram:
+  """`lowered.compile()` with ANALYSIS_OPTIONS (and `options`), for programs compiled only to be read: the
+  scheduled HLO and memory figures, kept in MESHMOE_ANALYSIS_CACHE_DIR when that is set (compiled_cache.py)."""
+  return compiled_cache.compile_and_read(lowered, {**ANALYSIS_OPTIONS, **(options or {})})
 
 
 def gpu_spec(target: str) -> str:

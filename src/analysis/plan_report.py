@@ -94,7 +94,8 @@ def verified(rank: int, candidate: planner.Candidate, report: dict) -> str:
   compiled_bytes = sum(r["compiled"] for r in report["collective_bytes_by_kind"].values())
   peak = memory["peak_bytes_per_device"]
   return "\n".join([
-      f"\nverified #{rank} ({candidate.layout.describe().strip()}), compiled deviceless in "
+      f"\nverified #{rank} ({candidate.layout.describe().strip()}), compiled deviceless"
+      f"{' (read from the analysis cache)' if report.get('compiled_from_cache') else ''} in "
       f"{report['compile_seconds']:.0f} s:",
       "                         predicted (cost model)   compiled (XLA)   compiled / predicted",
       f"  memory per device      {candidate.memory_bytes / _GB:12.2f} GB  {peak / _GB:12.2f} GB   "
