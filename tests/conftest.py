@@ -31,9 +31,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps them for this session only,
 # removed at exit (Bazel's sandboxed tests always do), and any other value names the folder that holds them.
 PERSISTENT_CACHE_BYTES = 3 << 30
-# The training runs the tests start (tests/runs.py) share a cache of their own, made for the session: with
-# the kept cache, a 2-process run once failed at its first train step on gloo's 30 s context deadline (one
-# process reached the collective that much later; which program it was compiling is not pinned down).
+# The training runs the tests start (tests/runs.py) use the kept cache when they are one process, and a
+# cache made for the session when they are several (runs.py says why).
 
 
 def _session_cache(variable: str) -> None:

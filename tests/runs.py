@@ -38,17 +38,24 @@ SMALL_FLAGS = ["--config.model.num_layers=2", "--config.train.seq_len=64", "--co
 
 # JAX's persistent compilation cache for the runs: a restarted or repeated run loads the compiled steps
 # instead of compiling them again, as a user's restarts do with JAX_COMPILATION_CACHE_DIR set (README.md,
-# "Multi-host runs and faults"). One for the test session (tests/conftest.py makes it and passes it down as
-# MESHMOE_TEST_RUN_CACHE); a process of its own when this module is used without pytest.
-_COMPILE_CACHE = os.environ.get("MESHMOE_TEST_RUN_CACHE")
-if not _COMPILE_CACHE:
-  _COMPILE_CACHE = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
-  atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+# "Multi-host runs and faults"). Runs of one process use the tests' kept cache (tests/conftest.py,
+# MESHMOE_TEST_JIT_CACHE_DIR), so an unchanged run compiles nothing in the next session either. Runs of
+# several processes use one made for the session (MESHMOE_TEST_RUN_CACHE): JAX writes entries from process
+# 0 only, and on CPUs under keys that differ by process (process 1 of a 2-process run found none of
+# process 0's 160 entries), so with a warm cache process 0 loads in seconds what the others compile for
+# tens of seconds, and meets them at a collective that late (gloo gives a collective's first meeting 30 s).
+# Without pytest, a cache of this process for both.
+_SESSION_CACHE = os.environ.get("MESHMOE_TEST_RUN_CACHE")
+if not _SESSION_CACHE:
+  _SESSION_CACHE = tempfile.mkdtemp(prefix="meshmoe-test-jit-cache-")
+  atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+_KEPT_CACHE = os.environ.get("MESHMOE_TEST_JIT_CACHE_DIR") or _SESSION_CACHE
 
 
-def env(devices: int = 8) -> dict:
+def env(devices: int = 8, processes: int = 2) -> dict:
+  """The environment of a run of `processes` processes (2 unless the caller knows it runs one)."""
   environ = dict(os.environ)
-  environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+  environ.setdefault("JAX_COMPILATION_CACHE_DIR", _KEPT_CACHE if processes == 1 else _SESSION_CACHE)
   # Every program, not only those that took a second to compile: a process's ~90 small ones (parameter
   # initialisation, metrics) cost a warm run 2.5 s of its 15 s of CPU when compiled again.
   environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -57,6 +64,13 @@ def env(devices: int = 8) -> dict:
   environ["JAX_PLATFORMS"] = "cpu"
   environ["PYTHONUNBUFFERED"] = "1"
   return environ
+
+
+def process_count(command: list[str]) -> int:
+  """How many processes a command of this module's runs starts: one for `experiments.train` alone."""
+  one = command[1:3] == ["-m", "experiments.train"] and not any(
+      a.startswith("--num_processes=") and a != "--num_processes=1" for a in command)
+  return 1 if one else 2
 
 
 def train_command(workdir: pathlib.Path, *flags: str) -> list[str]:
@@ -70,7 +84,8 @@ def launch_command(workdir: pathlib.Path, *flags: str, processes: int = 2, devic
 
 def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
   """Runs to the end; asserts it succeeded."""
-  result = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+  result = subprocess.run(command, cwd=REPO, env=env(processes=process_count(command)), capture_output=True, text=True,
+                          timeout=timeout)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
   return result
 
@@ -78,7 +93,8 @@ def run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess
 def start(command: list[str], output: pathlib.Path) -> subprocess.Popen:
   """Starts in its own process group (to signal the whole run), output to a file."""
   with output.open("w") as sink:
-    return subprocess.Popen(command, cwd=REPO, env=env(), stdout=sink, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command, cwd=REPO, env=env(processes=process_count(command)), stdout=sink,
+                            stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 

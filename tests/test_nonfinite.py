@@ -147,8 +147,8 @@ def test_a_diverging_run_halts_with_a_clear_error(tmp_path):
   """A deliberately huge learning rate: step 1's update is finite but enormous, step 2 overflows."""
   flags = [*runs.SMALL_FLAGS, "--config.train.steps=5", "--config.checkpoint.every_steps=1",
            "--config.optimizer.learning_rate=1e30", "--config.optimizer.warmup_steps=0"]
-  result = subprocess.run(runs.train_command(tmp_path, *flags), cwd=REPO, env=runs.env(), capture_output=True,
-                          text=True, timeout=600)
+  result = subprocess.run(runs.train_command(tmp_path, *flags), cwd=REPO, env=runs.env(processes=1),
+                          capture_output=True, text=True, timeout=600)
   assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
   assert re.search(r"error: step 2: non-finite training step \(loss=\S+, grad_norm=(nan|inf)\); first "
                    r"non-finite gradient: \S+", result.stderr), result.stderr[-3000:]

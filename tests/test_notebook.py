@@ -10,7 +10,10 @@ NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "notebo
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_executes():
+def test_quickstart_notebook_executes(monkeypatch):
+  from tests import runs
+  for name, value in runs.env(processes=1).items():  # the kernel's: a training run's (its compilation cache)
+    monkeypatch.setenv(name, value)
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   NotebookClient(notebook, timeout=600, kernel_name="python3",
                  resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # as Jupyter runs it
