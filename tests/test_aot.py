@@ -176,7 +176,7 @@ def test_analysis_options_change_no_hlo():
                                mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
   lowered = step.lower(jax.ShapeDtypeStruct((8 * 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("x"))),
                        jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P())))
-  assert deviceless.compile_for_analysis(lowered).as_text() == lowered.compile().as_text()
+  assert lowered.compile(compiler_options=deviceless.ANALYSIS_OPTIONS).as_text() == lowered.compile().as_text()
 
 
 @pytest.mark.slow

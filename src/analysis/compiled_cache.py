@@ -8,11 +8,14 @@ most of it ptxas building machine code nobody runs, and JAX's persistent compila
 holds just those two, and `compile_for_analysis` keeps it in `MESHMOE_ANALYSIS_CACHE_DIR` when that names
 a folder (off by default, as JAX_COMPILATION_CACHE_DIR is).
 
-The key is everything the compile depends on: the lowered program's text (StableHLO with its shardings
-and the serialized custom-call kernels), the devices it is compiled for in the mesh's order (id, host,
-kind), the compiler options, XLA_FLAGS and the versions of jax, jaxlib and the CUDA plugin. A program
-whose Mosaic GPU kernels are asked to dump their ptxas logs (kernel_resources.dump_to) always compiles:
-those logs are a side effect of compiling.
+The key is what the compile depends on: the lowered program's text (StableHLO with its shardings and the
+serialized custom-call kernels), the devices it is compiled for in the order of its device assignment (id,
+host, kind, compute capability), the compiler options, XLA_FLAGS and the versions of jax, jaxlib and the
+CUDA plugin. Not in it: jax.config's compile settings (optimization effort and the like, which meshmoe
+never changes); whoever changes one should use another folder. A program whose Mosaic GPU kernels are
+asked to dump their ptxas logs (kernel_resources.dump_to) always compiles: those logs are a side effect of
+compiling. Source locations are not in the key either, so the HLO's metadata read back names the files
+of whichever checkout compiled it.
 """
 
 from __future__ import annotations
