@@ -3,7 +3,9 @@ programs for 8 H100s. Reference: the same program compiled by jax with the same 
 
 import logging
 import os
+import pathlib
 import stat
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +97,29 @@ def test_without_the_variable_nothing_is_kept(tmp_path, monkeypatch):
   lowered = _lowered()
   assert not deviceless.compile_for_analysis(lowered).from_cache
   assert not deviceless.compile_for_analysis(lowered).from_cache and os.listdir(tmp_path) == []
+
+
+def test_a_kernel_traced_from_another_checkout_finds_the_same_entry(monkeypatch):
+  """Mosaic GPU kernels carry the paths of the files they were traced from (this checkout's, the venv's)
+  inside the program; a fresh clone elsewhere must still find what this one kept."""
+  from meshmoe.pallas_kernels import mosaic_tiles
+  from meshmoe.pallas_kernels.grouped_weight_gradient import api
+  from tests.pallas_kernels import harness
+
+  mesh = harness.h100_mesh(1)
+  args = [harness.abstract(mesh, shape, jnp.bfloat16 if len(shape) != 1 else jnp.int32, P())
+          for shape in ((4 * 64, 256), (4 * 64, 256), (4,), (4, 256, 256))]
+  lowered = jax.jit(lambda x, dy, rows, like: api.weight_gradient(
+      x, dy, rows, like, tile_rows=64, backend="mosaic_gpu", num_sms=harness.h100_sms(),
+      tiles=mosaic_tiles.DEFAULT_TILES)).lower(*args)
+  text = lowered.as_text()
+  checkout = str(pathlib.Path(compiled_cache.__file__).resolve().parents[2])
+  assert checkout + "/" in text  # what makes the key depend on where the code lives, unless replaced
+  moved = text.replace(checkout + "/", "/elsewhere/meshmoe-clone/")
+  kept = compiled_cache.without_local_paths(text)
+  assert checkout not in kept and sys.prefix + "/" not in kept
+  assert compiled_cache.without_local_paths(moved) != kept  # another place is not this one...
+  there = sorted((r.replace(checkout, "/elsewhere/meshmoe-clone") for r in compiled_cache._LOCAL_ROOTS),
+                 key=len, reverse=True)
+  monkeypatch.setattr(compiled_cache, "_LOCAL_ROOTS", there)  # ...but it is, seen from a checkout there
+  assert compiled_cache.without_local_paths(moved) == kept

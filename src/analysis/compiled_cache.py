@@ -11,7 +11,10 @@ a folder (off by default, as JAX_COMPILATION_CACHE_DIR is).
 The key is what the compile depends on: the lowered program's text (StableHLO with its shardings and the
 serialized custom-call kernels), the devices it is compiled for in the order of its device assignment (id,
 host, kind, compute capability), the compiler options, XLA_FLAGS and the versions of jax, jaxlib and the
-CUDA plugin. Not in it: jax.config's compile settings (optimization effort and the like, which meshmoe
+CUDA plugin. Mosaic GPU kernels embed the paths of the
+Python files they were traced from (this checkout's, the venv's) in the program: those are replaced by
+placeholders before hashing, so another clone of the same code, elsewhere, finds the same entries. Not in
+the key: jax.config's compile settings (optimization effort and the like, which meshmoe
 never changes); whoever changes one should use another folder. A program whose Mosaic GPU kernels are
 asked to dump their ptxas logs (kernel_resources.dump_to) always compiles: those logs are a side effect of
 compiling. Source locations are not in the key either, so the HLO's metadata read back names the files
@@ -28,6 +31,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 import tempfile
 import zlib
 from typing import Any
@@ -104,11 +108,25 @@ def _key(lowered, compiler_options: dict[str, Any]) -> str | None:
     return None
   versions = {name: _version(name) for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")}
   digest = hashlib.sha256()
-  for part in (str(_FORMAT), lowered.as_text(), json.dumps(devices), json.dumps(compiler_options, sort_keys=True),
+  for part in (str(_FORMAT), without_local_paths(lowered.as_text()), json.dumps(devices), json.dumps(compiler_options, sort_keys=True),
                os.environ.get("XLA_FLAGS", ""), json.dumps(versions, sort_keys=True)):
     digest.update(part.encode())
     digest.update(b"\0")
   return digest.hexdigest()
+
+
+# Where this machine keeps the source files a program's kernels may name: meshmoe's checkout (the folder
+# above the package's, which holds sharding/, models/, pallas_kernels/; site-packages for an installed
+# wheel) and the interpreter's environment (the venv, with jax and tokamax). Longest first.
+_LOCAL_ROOTS = sorted({str(pathlib.Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix},
+                      key=len, reverse=True)
+
+
+def without_local_paths(program_text: str) -> str:
+  """The program with the paths of this checkout and this Python environment replaced by placeholders."""
+  for number, root in enumerate(_LOCAL_ROOTS):
+    program_text = program_text.replace(root + os.sep, f"<local root {number}>/")
+  return program_text
 
 
 def _version(distribution: str) -> str:
