@@ -76,6 +76,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ["MESHMOE_TEST_JIT_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # smaller ones recompile faster than read
 jax.config.update("jax_persistent_cache_enable_xla_caches", "none")  # XLA's GPU autotuning caches: not wanted
+# Source files named from the checkout's (or the venv's) root, so that Mosaic GPU kernels, which carry them,
+# lower alike in every clone and a fresh clone finds the analysis cache's entries.
+from meshmoe.analysis import compiled_cache  # noqa: E402  (imports jax only)
+
+jax.config.update("jax_hlo_source_file_canonicalization_regex", compiled_cache.LOCAL_ROOTS_PATTERN)
 
 
 def _cpu_programs_only():

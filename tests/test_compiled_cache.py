@@ -99,9 +99,10 @@ def test_without_the_variable_nothing_is_kept(tmp_path, monkeypatch):
   assert not deviceless.compile_for_analysis(lowered).from_cache and os.listdir(tmp_path) == []
 
 
-def test_a_kernel_traced_from_another_checkout_finds_the_same_entry(monkeypatch):
+def test_kernels_traced_under_the_pattern_name_no_local_path():
   """Mosaic GPU kernels carry the paths of the files they were traced from (this checkout's, the venv's)
-  inside the program; a fresh clone elsewhere must still find what this one kept."""
+  and a hash of them inside the program; traced with LOCAL_ROOTS_PATTERN as jax's source-file regex (the
+  tests' set-up), a fresh clone elsewhere lowers the same text and so finds what this one kept."""
   from meshmoe.pallas_kernels import mosaic_tiles
   from meshmoe.pallas_kernels.grouped_weight_gradient import api
   from tests.pallas_kernels import harness
@@ -109,17 +110,19 @@ def test_a_kernel_traced_from_another_checkout_finds_the_same_entry(monkeypatch)
   mesh = harness.h100_mesh(1)
   args = [harness.abstract(mesh, shape, jnp.bfloat16 if len(shape) != 1 else jnp.int32, P())
           for shape in ((4 * 64, 256), (4 * 64, 256), (4,), (4, 256, 256))]
-  lowered = jax.jit(lambda x, dy, rows, like: api.weight_gradient(
-      x, dy, rows, like, tile_rows=64, backend="mosaic_gpu", num_sms=harness.h100_sms(),
-      tiles=mosaic_tiles.DEFAULT_TILES)).lower(*args)
-  text = lowered.as_text()
+
+  def lowered_text() -> str:
+    return jax.jit(lambda x, dy, rows, like: api.weight_gradient(
+        x, dy, rows, like, tile_rows=64, backend="mosaic_gpu", num_sms=harness.h100_sms(),
+        tiles=mosaic_tiles.DEFAULT_TILES)).lower(*args).as_text()
+
   checkout = str(pathlib.Path(compiled_cache.__file__).resolve().parents[2])
-  assert checkout + "/" in text  # what makes the key depend on where the code lives, unless replaced
-  moved = text.replace(checkout + "/", "/elsewhere/meshmoe-clone/")
-  kept = compiled_cache.without_local_paths(text)
-  assert checkout not in kept and sys.prefix + "/" not in kept
-  assert compiled_cache.without_local_paths(moved) != kept  # another place is not this one...
-  there = sorted((r.replace(checkout, "/elsewhere/meshmoe-clone") for r in compiled_cache._LOCAL_ROOTS),
-                 key=len, reverse=True)
-  monkeypatch.setattr(compiled_cache, "_LOCAL_ROOTS", there)  # ...but it is, seen from a checkout there
-  assert compiled_cache.without_local_paths(moved) == kept
+  assert jax.config.jax_hlo_source_file_canonicalization_regex == compiled_cache.LOCAL_ROOTS_PATTERN
+  canonical = lowered_text()
+  assert "pallas_kernels/grouped_weight_gradient/mosaic_gpu.py" in canonical  # named from the checkout's root
+  assert checkout + "/" not in canonical and sys.prefix + "/" not in canonical
+  jax.config.update("jax_hlo_source_file_canonicalization_regex", None)  # what a clone elsewhere differs by
+  try:
+    assert checkout + "/" in lowered_text()
+  finally:
+    jax.config.update("jax_hlo_source_file_canonicalization_regex", compiled_cache.LOCAL_ROOTS_PATTERN)

@@ -12,9 +12,10 @@ The key is what the compile depends on: the lowered program's text (StableHLO wi
 serialized custom-call kernels), the devices it is compiled for in the order of its device assignment (id,
 host, kind, compute capability), the compiler options, XLA_FLAGS and the versions of jax, jaxlib and the
 CUDA plugin. Mosaic GPU kernels embed the paths of the
-Python files they were traced from (this checkout's, the venv's) in the program: those are replaced by
-placeholders before hashing, so another clone of the same code, elsewhere, finds the same entries. Not in
-the key: jax.config's compile settings (optimization effort and the like, which meshmoe
+Python files they were traced from (this checkout's, the venv's) in the program, and a hash of those: a
+clone elsewhere misses unless jax strips the paths when tracing, which `LOCAL_ROOTS_PATTERN` as
+jax_hlo_source_file_canonicalization_regex does (the tests set it: tests/conftest.py). Not in the key:
+jax.config's compile settings (optimization effort and the like, which meshmoe
 never changes); whoever changes one should use another folder. A program whose Mosaic GPU kernels are
 asked to dump their ptxas logs (kernel_resources.dump_to) always compiles: those logs are a side effect of
 compiling. Source locations are not in the key either, so the HLO's metadata read back names the files
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import sys
 import tempfile
 import zlib
@@ -108,7 +110,7 @@ def _key(lowered, compiler_options: dict[str, Any]) -> str | None:
     return None
   versions = {name: _version(name) for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")}
   digest = hashlib.sha256()
-  for part in (str(_FORMAT), without_local_paths(lowered.as_text()), json.dumps(devices), json.dumps(compiler_options, sort_keys=True),
+  for part in (str(_FORMAT), lowered.as_text(), json.dumps(devices), json.dumps(compiler_options, sort_keys=True),
                os.environ.get("XLA_FLAGS", ""), json.dumps(versions, sort_keys=True)):
     digest.update(part.encode())
     digest.update(b"\0")
@@ -117,16 +119,10 @@ def _key(lowered, compiler_options: dict[str, Any]) -> str | None:
 
 # Where this machine keeps the source files a program's kernels may name: meshmoe's checkout (the folder
 # above the package's, which holds sharding/, models/, pallas_kernels/; site-packages for an installed
-# wheel) and the interpreter's environment (the venv, with jax and tokamax). Longest first.
-_LOCAL_ROOTS = sorted({str(pathlib.Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix},
-                      key=len, reverse=True)
-
-
-def without_local_paths(program_text: str) -> str:
-  """The program with the paths of this checkout and this Python environment replaced by placeholders."""
-  for number, root in enumerate(_LOCAL_ROOTS):
-    program_text = program_text.replace(root + os.sep, f"<local root {number}>/")
-  return program_text
+# wheel) and the interpreter's environment (the venv, with jax and tokamax). As a regex for
+# jax_hlo_source_file_canonicalization_regex, longest first: `/clone/.venv/lib/...` loses `/clone/.venv/`.
+LOCAL_ROOTS_PATTERN = "^(" + "|".join(re.escape(root + os.sep) for root in sorted(
+    {str(pathlib.Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix}, key=len, reverse=True)) + ")"
 
 
 def _version(distribution: str) -> str:
