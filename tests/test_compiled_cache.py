@@ -116,7 +116,7 @@ def test_kernels_traced_under_the_pattern_name_no_local_path():
         x, dy, rows, like, tile_rows=64, backend="mosaic_gpu", num_sms=harness.h100_sms(),
         tiles=mosaic_tiles.DEFAULT_TILES)).lower(*args).as_text()
 
-  checkout = str(pathlib.Path(compiled_cache.__file__).resolve().parents[2])
+  checkout = str(pathlib.Path(os.path.abspath(compiled_cache.__file__)).parents[2])  # links unresolved
   assert jax.config.jax_hlo_source_file_canonicalization_regex == compiled_cache.LOCAL_ROOTS_PATTERN
   canonical = lowered_text()
   assert "pallas_kernels/grouped_weight_gradient/mosaic_gpu.py" in canonical  # named from the checkout's root

@@ -119,10 +119,12 @@ def _key(lowered, compiler_options: dict[str, Any]) -> str | None:
 
 # Where this machine keeps the source files a program's kernels may name: meshmoe's checkout (the folder
 # above the package's, which holds sharding/, models/, pallas_kernels/; site-packages for an installed
-# wheel) and the interpreter's environment (the venv, with jax and tokamax). As a regex for
+# wheel; Bazel's runfiles, whose links are left unresolved, as Python's file names are) and the
+# interpreter's environment (the venv, with jax and tokamax). As a regex for
 # jax_hlo_source_file_canonicalization_regex, longest first: `/clone/.venv/lib/...` loses `/clone/.venv/`.
-LOCAL_ROOTS_PATTERN = "^(" + "|".join(re.escape(root + os.sep) for root in sorted(
-    {str(pathlib.Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix}, key=len, reverse=True)) + ")"
+_LOCAL_ROOTS = {str(pathlib.Path(os.path.abspath(__file__)).parents[2]), sys.prefix, sys.base_prefix}
+LOCAL_ROOTS_PATTERN = "^(" + "|".join(re.escape(root + os.sep)
+                                      for root in sorted(_LOCAL_ROOTS, key=len, reverse=True)) + ")"
 
 
 def _version(distribution: str) -> str:
