@@ -26,7 +26,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # is the program with its debug information stripped, the compile options (XLA flags) and the jaxlib
 # version, so any change that changes a program misses. Beside it, meshmoe's cache of the programs compiled
 # only to be read (deviceless GPU compiles above all, which JAX's cache cannot hold;
-# src/analysis/compiled_cache.py), keyed the same way. Both live in the user's cache folder
+# src/analysis/compiled_cache.py), keyed by the lowered program, devices, options, flags and versions.
+# Both live in the user's cache folder
 # (~/.cache/meshmoe/test-jit-cache and test-analysis-cache), as pip's and Bazel's do, each pruned at start
 # to PERSISTENT_CACHE_BYTES (oldest first); MESHMOE_TEST_JIT_CACHE=session keeps them for this session only,
 # removed at exit (Bazel's sandboxed tests always do), and any other value names the folder that holds them.
