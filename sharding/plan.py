@@ -168,6 +168,9 @@ class ParallelPlan:
   grouped_gemm: str  # resolved for the model's dtype where it matters: see `expert_ffn`
   gemm_block_rows: int
   weight_storage: str = "preset"  # `mesh.weight_storage`, applied to `rules` (rules.with_storage)
+  # `mesh.expert_axes` and `mesh.expert_width_axes`, applied to `rules` (MoE parallel folding: rules.fold_experts)
+  expert_axes: str = "preset"
+  expert_width_axes: str = "preset"
   ops: dict[str, OpChoice] = dataclasses.field(default_factory=dict)  # predicted from the config's shapes
 
   @classmethod
@@ -175,20 +178,30 @@ class ParallelPlan:
     """The plan of a run of `config` on `mesh`. Raises ConfigError when the preset splits a dimension
     over mesh axes whose product does not divide it."""
     rules.check_divisibility(config, axis_sizes(mesh))
-    plan = cls.for_mesh(mesh, config.mesh.preset, config.parallel, config.mesh.weight_storage)
+    m = config.mesh
+    plan = cls.for_mesh(mesh, m.preset, config.parallel, m.weight_storage, m.expert_axes, m.expert_width_axes)
     return dataclasses.replace(plan, ops=_predict(plan, config))
 
   @classmethod
   def for_mesh(cls, mesh: Mesh, preset: str, parallel: ParallelConfig | None = None,
-               weight_storage: str = "preset") -> ParallelPlan:
+               weight_storage: str = "preset", expert_axes: str = "preset",
+               expert_width_axes: str = "preset") -> ParallelPlan:
     """A plan without a model config: for calling parallel ops directly (tests, notebooks). Nothing is
     checked against model shapes and `ops` is empty; the ops decide with the shapes they trace."""
     parallel = (parallel or ParallelConfig()).validate()
-    placement = rules.with_storage(rules.get_preset(preset), weight_storage)
+    placement = rules.placement(preset, weight_storage, expert_axes, expert_width_axes)
+    rules.check_expert_axes(placement, axis_sizes(mesh), expert_axes)
     check_weight_storage(weight_storage, parallel)
     hardware = Hardware.of(mesh.devices.flat[0])
-    return cls(mesh, preset, placement, parallel, hardware, grouped_gemm(parallel.grouped_gemm, hardware),
-               parallel.gemm_block_rows, weight_storage)
+    plan = cls(mesh, preset, placement, parallel, hardware, grouped_gemm(parallel.grouped_gemm, hardware),
+               parallel.gemm_block_rows, weight_storage, expert_axes, expert_width_axes)
+    if expert_width_axes != "preset":
+      try:
+        plan.expert_layout()
+      except ValueError as error:  # the width axes that split the tokens cannot be gathered over
+        raise ConfigError("mesh.expert_width_axes", expert_width_axes,
+                          f"axes the MoE can gather its tokens over ({error})") from None
+    return plan
 
   @property
   def tier(self) -> Tier:
@@ -367,6 +380,7 @@ class ParallelPlan:
       return ExpertChoice("local", f"every expert here; grouped GEMM {gemm_name}", fallback=gemm_fallback,
                           **gemm)
     formats = self._exchange_formats()
+    over = _describe_axes(self, self.expert_layout().expert_axes)  # the token exchange's devices
     fused_fallback = ""
     if self.tier.fused_kernels and (fused_fallback := _formats_unsupported_by_kernels(formats)) is None:
       tiles = self.kernel_tiles
@@ -376,11 +390,11 @@ class ParallelPlan:
       if backend:
         gradient = self.parallel.moe_swiglu_gradient
         return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
-                            f"grouped GEMM + return over {ep} devices{_describe_tiles(tiles, backend, sender=True)}",
+                            f"grouped GEMM + return over {over}{_describe_tiles(tiles, backend, sender=True)}",
                             kernel_backend=backend, swiglu_gradient=gradient, tiles=tiles)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
-    detail = f"{chunks} chunk(s); tokens by {exchange} over {ep} devices"
+    detail = f"{chunks} chunk(s); tokens by {exchange} over {over}"
     for name, (forward, backward) in zip(("dispatch", "combine"), formats):
       if not exchange_formats.is_plain(forward, backward):
         forward, backward = (f.replace("auto", "the activation dtype") for f in (forward, backward))
@@ -446,7 +460,8 @@ class ParallelPlan:
 
   def to_json(self) -> dict[str, Any]:
     return {
-        "preset": self.preset, "weight_storage": self.weight_storage, "mesh": dict(self.mesh.shape),
+        "preset": self.preset, "weight_storage": self.weight_storage, "expert_axes": self.expert_axes,
+        "expert_width_axes": self.expert_width_axes, "mesh": dict(self.mesh.shape),
         "hardware": dataclasses.asdict(self.hardware),
         "parallel": dataclasses.asdict(self.parallel), "grouped_gemm": self.grouped_gemm,
         "ops": {name: {k: v for k, v in dataclasses.asdict(choice).items() if v not in ("", 0, None)}
@@ -456,7 +471,12 @@ class ParallelPlan:
   def table(self) -> str:
     """A short table of the plan: one line per op, then the fallbacks with their reasons."""
     mesh = " ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
-    storage = f" (weights stored split over {self._storage_axes()})" if self.weight_storage != "preset" else ""
+    placement = [f"weights stored split over {self._storage_axes()}"] if self.weight_storage != "preset" else []
+    if (self.expert_axes, self.expert_width_axes) != ("preset", "preset"):
+      lay = self.expert_layout()
+      width = f", their width over {' x '.join(lay.width_axes)}" if lay.width_axes else ", each whole"
+      placement.append(f"experts folded over {' x '.join(lay.expert_axes) or 'no axis'}{width}")
+    storage = f" ({'; '.join(placement)})" if placement else ""
     lines = [f"parallel plan: preset {self.preset}{storage}, tier {self.parallel.impl}, mesh {mesh} of "
              f"{self.mesh.size} {self.hardware.describe()} device(s)"]
     chosen = {name: choice.implementation + (f" ({choice.kernel_backend})" if choice.kernel_backend else "")

@@ -33,6 +33,15 @@ layer's weights where the layer uses them and sums their gradients into each dev
 where it forms one): the `fsdp` preset's mechanism, which "all" applied to `dp` reproduces. The MoE op gathers
 its experts itself (expert_parallel._gather_stored). The optimizer rules get the same axes, so the optimizer
 state is never less split than the parameters.
+
+MoE parallel folding (`mesh.expert_axes`, `mesh.expert_width_axes`, `fold_experts`; Megatron-Core's name):
+the routed experts' rules (`exp`, `exp_mlp` and their activations) can be set apart from the preset's, so
+that the MoE layers lay their experts over mesh axes that attention and the dense layers use otherwise:
+tp_sp with the experts over `expert` x `tensor` keeps Megatron tensor parallelism in attention and holds
+each expert whole on one device of the expert x tensor group (expert parallelism over the devices attention
+splits by heads), and the experts over every axis leave no expert weight replicated or gathered. The token
+exchange runs over exactly the expert axes (expert_parallel.py), so each must split the tokens
+(`check_expert_axes`). A preset's own placement is the folding "preset"; folding changes no other rule.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from meshmoe.config import Config, ConfigError
+from meshmoe.config import Config, ConfigError, mesh_axes_choice
 
 ALL_AXES = ("data", "expert", "tensor", "sequence")
 
@@ -113,6 +122,59 @@ def get_preset(name: str) -> Preset:
 
 # `mesh.weight_storage` -> the mesh axes it adds to every weight's `embed` dimension (module docstring).
 STORAGE_AXES: dict[str, tuple[str, ...]] = {"preset": (), "data": ("data",), "all": ALL_AXES}
+
+
+def placement(preset: str, weight_storage: str = "preset", expert_axes: str = "preset",
+              expert_width_axes: str = "preset") -> Preset:
+  """The rules of a run: the preset with its experts folded (`fold_experts`) and its weights stored
+  (`with_storage`) as the mesh config's fields say."""
+  return with_storage(fold_experts(get_preset(preset), expert_axes, expert_width_axes), weight_storage)
+
+
+def placement_of(config: Config) -> Preset:
+  m = config.mesh
+  return placement(m.preset, m.weight_storage, m.expert_axes, m.expert_width_axes)
+
+
+def fold_experts(preset: Preset, expert_axes: str = "preset", expert_width_axes: str = "preset") -> Preset:
+  """`preset` with the routed experts split over `expert_axes` and their width over `expert_width_axes`
+  (MeshConfig's fields of those names: "preset", "none" or axes joined by commas; module docstring). Width
+  axes left as the preset has them lose the axes the experts take."""
+  experts = mesh_axes_choice("mesh.expert_axes", expert_axes)
+  width = mesh_axes_choice("mesh.expert_width_axes", expert_width_axes)
+  if experts is None and width is None:
+    return preset
+  if experts is None:
+    experts = preset.params.get("exp", ())
+  if width is None:
+    width = tuple(a for a in preset.params.get("exp_mlp", ()) if a not in experts)
+  elif both := [a for a in experts if a in width]:
+    raise ConfigError("mesh.expert_width_axes", expert_width_axes, (
+        f"axes the experts do not take (here {', '.join(experts)}): a mesh axis splits the experts or their "
+        f"width, not both ({', '.join(both)})"))
+
+  def fold(table: Rules, names: tuple[str, str]) -> Rules:
+    table = {k: v for k, v in table.items() if k not in names}
+    return {**table, **{name: axes for name, axes in zip(names, (experts, width)) if axes}}
+
+  return dataclasses.replace(
+      preset, params=fold(preset.params, ("exp", "exp_mlp")),
+      activations=fold(preset.activations, ("act_exp", "act_exp_mlp")),
+      optimizer=None if preset.optimizer is None else fold(preset.optimizer, ("exp", "exp_mlp")))
+
+
+def check_expert_axes(table: Preset, mesh_sizes: Mapping[str, int], field_value: str = "preset") -> None:
+  """Raises ConfigError when the experts are split over a mesh axis (of more than one device) that does not
+  split the tokens: the token exchange sends each device's tokens to the devices of the other experts, and
+  devices holding the same tokens would each send them (the experts computing every token twice)."""
+  token_axes = {a for name in ("act_batch", "act_seq") for a in table.activations.get(name, ())}
+  unsplit = [a for a in table.params.get("exp", ()) if a not in token_axes and mesh_sizes[a] > 1]
+  if unsplit:
+    allowed = [a for a in ALL_AXES if a in token_axes]
+    raise ConfigError("mesh.expert_axes", field_value, (
+        f"mesh axes that split the tokens ({', '.join(allowed) or 'none'} under this preset): the experts' "
+        f"token exchange runs between devices that hold different tokens, and {', '.join(unsplit)} does not "
+        "split them"))
 
 
 def with_storage(preset: Preset, weight_storage: str) -> Preset:
@@ -198,7 +260,7 @@ def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
   (`embed_layouts`). Dimensions set by one field directly are checked before derived ones (the shared
   experts' width), so the error names the field to change.
   """
-  preset = with_storage(get_preset(config.mesh.preset), config.mesh.weight_storage)
+  preset = placement_of(config)
   sizes = _dimension_sizes(config)
   problems = []
   for rules in (preset.params, preset.activations, preset.optimizer_rules()):
@@ -217,8 +279,9 @@ def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
   need = (f"a multiple of {parts}" if size == value else
           f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
   what = _DESCRIPTION.get(name) or _DESCRIPTION.get(name.removeprefix("act_"), name)
-  storage = config.mesh.weight_storage
-  who = f"preset {config.mesh.preset!r}" + (f" with mesh.weight_storage={storage!r}" if storage != "preset" else "")
+  changed = [f"mesh.{f}={getattr(config.mesh, f)!r}" for f in ("weight_storage", "expert_axes", "expert_width_axes")
+             if getattr(config.mesh, f) != "preset"]
+  who = f"preset {config.mesh.preset!r}" + (f" with {' and '.join(changed)}" if changed else "")
   raise ConfigError(field, value, f"{need}: {who} splits {what} over mesh axes {split}")
 
 

@@ -26,7 +26,8 @@ from meshmoe.config_parallel import (ATTENTION_KERNELS, ATTENTION_KINDS, EXCHANG
                                      GEMM_FORMS, GEMM_IMPLEMENTATIONS, GRADIENT_COMPRESSIONS, GROUPED_GEMMS, IMPLS,
                                      KERNEL_BACKENDS, KERNEL_TILES, LAYER_SCHEDULES, MESH_AXES, PRESETS,
                                      SWIGLU_GRADIENTS, WEIGHT_STORAGES, XLA_FLAG_PRESETS, MeshConfig, ParallelConfig,
-                                     check_weight_storage, gemm_kernel_overrides, resolve_mesh_sizes, validate_mesh)
+                                     check_weight_storage, gemm_kernel_overrides, mesh_axes_choice, resolve_mesh_sizes,
+                                     validate_mesh)
 from meshmoe.config_run import (DATA_SOURCES, NAN_POLICIES, CheckpointConfig, DataConfig, OptimizerConfig,
                                 ResilienceConfig, SampleConfig, TrainConfig, mixture_entries, profile_range,
                                 validate_checkpoint_and_sample, validate_data, validate_optimizer,
@@ -38,6 +39,7 @@ __all__ = [
     "DataConfig", "CheckpointConfig", "SampleConfig", "ResilienceConfig",
     # Errors and helpers.
     "ConfigError", "from_dict", "resolve_mesh_sizes", "check_weight_storage", "gemm_kernel_overrides",
+    "mesh_axes_choice",
     "mixture_entries", "profile_range",
     # The allowed values of the choice fields.
     "MESH_AXES", "PRESETS", "WEIGHT_STORAGES", "IMPLS", "KERNEL_BACKENDS", "KERNEL_TILES", "ATTENTION_KINDS",

@@ -57,6 +57,17 @@ class MeshConfig:
   # stays an all-reduce, then sliced) instead of all-reduced whole. moe_1b, megascale on 4 x 2 H100s
   # (compiled): 14.5 GB peak per device as the preset stores it, 7.7 GB with "data".
   weight_storage: str = "preset"
+  # MoE parallel folding (sharding/rules.py, `fold_experts`): the mesh axes that split the routed experts, set
+  # apart from how attention and the dense layers use those axes. "preset" (the preset's own: `expert`, or
+  # none for dp/fsdp/zero1), "none" (every device holds every expert) or mesh axes joined by commas, major
+  # first: "expert,tensor" spreads the experts over the devices attention also splits by tensor parallelism,
+  # "data,expert,tensor" over every device, so that each holds its experts whole and no expert weight is
+  # gathered or replicated. Each axis must split the tokens (the token exchange runs between the devices
+  # that hold different tokens and different experts).
+  expert_axes: str = "preset"
+  # The mesh axes that split each routed expert's width (expert-tensor parallelism): "preset" (the preset's
+  # own, less any axis `expert_axes` takes), "none" (each expert's width whole) or mesh axes joined by commas.
+  expert_width_axes: str = "preset"
 
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -204,6 +215,27 @@ def validate_mesh(mesh: MeshConfig) -> None:
     raise ConfigError("mesh", _describe(mesh.sizes()), "at most one axis may be -1")
   check_choice("mesh.preset", mesh.preset, PRESETS)
   check_choice("mesh.weight_storage", mesh.weight_storage, WEIGHT_STORAGES)
+  experts = mesh_axes_choice("mesh.expert_axes", mesh.expert_axes)
+  width = mesh_axes_choice("mesh.expert_width_axes", mesh.expert_width_axes)
+  if experts is not None and width is not None and (both := [a for a in experts if a in width]):
+    raise ConfigError("mesh.expert_width_axes", mesh.expert_width_axes, (
+        f"axes other than mesh.expert_axes={mesh.expert_axes!r}: a mesh axis splits the experts or their width, "
+        f"not both ({', '.join(both)})"))
+
+
+def mesh_axes_choice(field: str, value: str) -> tuple[str, ...] | None:
+  """A field naming mesh axes (MeshConfig.expert_axes, expert_width_axes) as a tuple; None for "preset"."""
+  allowed = f"'preset', 'none', or mesh axes ({', '.join(MESH_AXES)}) joined by commas, each once"
+  if not isinstance(value, str):
+    raise ConfigError(field, value, allowed)
+  if value == "preset":
+    return None
+  if value == "none":
+    return ()
+  axes = tuple(part.strip() for part in value.split(","))
+  if any(a not in MESH_AXES for a in axes) or len(set(axes)) != len(axes):
+    raise ConfigError(field, value, allowed)
+  return axes
 
 
 def check_weight_storage(weight_storage: str, parallel: ParallelConfig) -> None:

@@ -63,12 +63,13 @@ def _single_device(variant: str, config: Config) -> tuple[float, dict]:
 
 def _check_layout(variant: str, moe_overrides: dict, sizes, preset, attention: str = "allgather",
                   heads: tuple[int, int] = (4, 2), parallel: ParallelConfig | None = None,
-                  weight_storage: str = "preset"):
+                  weight_storage: str = "preset", expert_axes: str = "preset", expert_width_axes: str = "preset"):
   ref_loss, ref_grads = _single_device(variant, small_config(heads, **moe_overrides))
   config = small_config(heads, **moe_overrides)
   data, expert, tensor, sequence = sizes
   config.mesh = MeshConfig(data=data, expert=expert, tensor=tensor, sequence=sequence, preset=preset,
-                           weight_storage=weight_storage)
+                           weight_storage=weight_storage, expert_axes=expert_axes,
+                           expert_width_axes=expert_width_axes)
   config.parallel = parallel or ParallelConfig(attention=attention)
   loss, grads = _loss_and_grads(config, jax.devices())
   assert_close(loss, ref_loss, FP32_MODEL_RTOL, "loss")
@@ -124,6 +125,27 @@ STORAGE_LAYOUTS = [((2, 4, 1, 1), "ep", "all", "reference"),
 def test_weight_storage_matches_single_device(sizes, preset, storage, impl):
   _check_layout("dropless", {}, sizes, preset, weight_storage=storage,
                 parallel=ParallelConfig(impl=impl, kernel_backend="collectives"))
+
+
+# MoE parallel folding (sharding/rules.py fold_experts): the experts over mesh axes of their own, apart from
+# attention's use of them. (mesh sizes, preset, expert axes, expert width axes, tier, weight storage)
+# - tp_sp 2x2x2x1, experts over expert x tensor, whole (expert parallelism over the devices attention splits
+#   by heads; no gather of the sequence for the MoE), reference tier;
+# - ep 2x4x1x1, experts over data x expert (one whole expert per device, no replicas), xla tier's pipeline,
+#   with every other weight stored split over every axis (DeepSeek-V3's planned layout, in small);
+# - megascale 1x2x2x2, experts over expert x sequence with their width over tensor, the pallas tier's MoE
+#   kernels (their plain-collective versions) over two axes.
+FOLDED_LAYOUTS = [((2, 2, 2, 1), "tp_sp", "expert,tensor", "preset", "reference", "preset"),
+                  ((2, 4, 1, 1), "ep", "data,expert", "preset", "xla", "all"),
+                  ((1, 2, 2, 2), "megascale", "expert,sequence", "tensor", "pallas", "preset")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,preset,experts,width,impl,storage", FOLDED_LAYOUTS,
+                         ids=[f"{p}-{'x'.join(map(str, s))}-{e}-{i}" for s, p, e, _, i, _ in FOLDED_LAYOUTS])
+def test_folded_experts_match_single_device(sizes, preset, experts, width, impl, storage):
+  _check_layout("dropless", {}, sizes, preset, weight_storage=storage, expert_axes=experts,
+                expert_width_axes=width, parallel=ParallelConfig(impl=impl, kernel_backend="collectives"))
 
 
 # Context-parallel attention kinds other than the default all-gather, on layouts that split the sequence,

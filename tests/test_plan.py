@@ -390,3 +390,70 @@ def test_split_weight_storage_rules_out_compressed_gradients():
     ParallelPlan.for_mesh(mesh, "ep", ParallelConfig(gradient_compression="int8"), weight_storage="data")
   with pytest.raises(config_lib.ConfigError, match="mesh.weight_storage='zero3' is invalid: one of 'preset', "):
     ParallelPlan.for_mesh(mesh, "ep", weight_storage="zero3")
+
+
+def test_folded_experts_are_in_the_rules_the_layout_and_the_plan():
+  """mesh.expert_axes / expert_width_axes (MoE parallel folding, rules.fold_experts) place the routed experts
+  over axes of their own and change no other rule: tp_sp's attention keeps `tensor` for its heads while the
+  experts take expert x tensor whole, so the MoE neither gathers the sequence nor sums partial widths."""
+  config = _config("tp_sp")
+  preset = ParallelPlan.build(config, make_mesh(config.mesh))
+  config.mesh.expert_axes = "expert,tensor"
+  plan = ParallelPlan.build(config, make_mesh(config.mesh))
+  experts = plan.expert_layout()
+  assert (experts.expert_axes, experts.width_axes, experts.gather, experts.reduce, experts.ep) == \
+      (("expert", "tensor"), (), (), (), 4)
+  P = jax.sharding.PartitionSpec
+  assert plan.param_spec(("layers", "exp", "embed", "exp_mlp")) == P(None, ("expert", "tensor"), None, None)
+  unchanged = {"params": ("exp", "exp_mlp"), "activations": ("act_exp", "act_exp_mlp"), "optimizer": ("exp", "exp_mlp")}
+  for part, names in unchanged.items():
+    folded = getattr(plan.rules, part) or {}
+    own = getattr(preset.rules, part) or {}
+    assert {k: v for k, v in folded.items() if k not in names} == {k: v for k, v in own.items() if k not in names}
+  heads = [("embed", "heads", "head_dim")]
+  assert plan.projection_axes(heads) == preset.projection_axes(heads)
+  assert "tokens by padded_all_to_all over expert x tensor (4 devices)" in plan.ops["moe"].detail
+  assert plan.table().splitlines()[0].startswith(
+      "parallel plan: preset tp_sp (experts folded over expert x tensor, each whole), tier reference")
+  assert plan.to_json()["expert_axes"] == "expert,tensor" and preset.to_json()["expert_axes"] == "preset"
+  # The width over an axis of its own, and the experts over none (every device holds every expert).
+  config.mesh.expert_axes, config.mesh.expert_width_axes = "tensor", "expert"
+  widths = ParallelPlan.build(config, make_mesh(config.mesh)).expert_layout()
+  assert (widths.expert_axes, widths.width_axes, widths.gather, widths.token_dim, widths.ep) == \
+      (("tensor",), ("expert",), ("expert",), 0, 2)
+  config.mesh.expert_width_axes = "data"  # the batch is split over data x expert: only `expert` gathers it
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"mesh.expert_width_axes='data' is invalid: axes the MoE can gather its tokens over \(expert-tensor-parallel "
+      r"gather of the tokens: mesh axes \('data',\) must be the innermost axes of \('data', 'expert'\)")):
+    ParallelPlan.build(config, make_mesh(config.mesh))
+  config.mesh.expert_axes, config.mesh.expert_width_axes = "none", "none"
+  local = ParallelPlan.build(config, make_mesh(config.mesh))
+  assert local.expert_layout().ep == 1 and local.ops["moe"].implementation == "local"
+
+
+def test_a_folding_the_token_exchange_cannot_run_is_one_config_error():
+  config = _config("megascale")  # its tokens are split over data, expert and sequence, not tensor
+  config.mesh = MeshConfig(data=2, expert=2, tensor=2, sequence=1, preset="megascale", expert_axes="expert,tensor")
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"mesh.expert_axes='expert,tensor' is invalid: mesh axes that split the tokens \(data, expert, sequence "
+      r"under this preset\): .* tensor does not split them")):
+    ParallelPlan.build(config, make_mesh(config.mesh))
+  for field, value in (("expert_axes", "expert,pipeline"), ("expert_axes", "expert,expert"),
+                       ("expert_width_axes", 3)):
+    bad = _config("tp_sp")
+    setattr(bad.mesh, field, value)
+    with pytest.raises(config_lib.ConfigError, match=rf"mesh.{field}=.* is invalid: 'preset', 'none', or mesh axes"):
+      bad.validate(8)
+  both = _config("tp_sp")
+  both.mesh.expert_axes, both.mesh.expert_width_axes = "expert,tensor", "tensor"
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"a mesh axis splits the experts or their width, not both \(tensor\)"):
+    both.validate(8)
+  uneven = _config("tp_sp")  # tiny_moe's 8 experts over data x expert x tensor = 8 devices, then 16
+  uneven.mesh.expert_axes = "data,expert,tensor"
+  ParallelPlan.build(uneven, make_mesh(uneven.mesh))
+  uneven.model.moe.num_experts = 4
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"model.moe.num_experts=4 is invalid: a multiple of 8: preset 'tp_sp' with mesh.expert_axes='data,expert,tensor' "
+      r"splits the experts over mesh axes data=2 x expert=2 x tensor=2")):
+    ParallelPlan.build(uneven, make_mesh(uneven.mesh))

@@ -171,6 +171,30 @@ def test_layout_round_trips_through_the_config_and_its_overrides():
   flags = layout.overrides().split()
   assert [f"--config.mesh.{a}={s}" for a, s in zip(MESH_AXES, layout.mesh)] == flags[:4]
   assert "--config.train.grad_accum_steps=4" in flags and "--config.mesh.weight_storage=all" in flags
+  assert not any(flag.startswith("--config.mesh.expert_axes") for flag in flags)
+  folded = dataclasses.replace(layout, expert_axes="expert,tensor")
+  assert planner.Layout.of(folded.apply(config), 8) == folded
+  assert "--config.mesh.expert_axes=expert,tensor" in folded.overrides().split()
+  assert " e.t " in folded.describe() and " preset " in layout.describe()
+
+
+def test_foldings_add_token_splitting_axes_that_divide_the_experts():
+  """The planner's MoE parallel foldings (planner.foldings): the preset's own experts' axes and every larger
+  set of axes that split the tokens (more than one device each) and divide the experts."""
+  config = _model()  # 8 experts
+  assert planner.foldings(config, "tp_sp", (2, 2, 2, 1)) == [
+      "preset", "data,expert", "expert,tensor", "data,expert,tensor"]
+  assert planner.foldings(config, "tp_sp", (1, 2, 4, 2)) == ["preset", "expert,tensor", "expert,sequence"]
+  # megascale's tokens are not split over `tensor`; ep splits them over everything
+  assert planner.foldings(config, "megascale", (2, 2, 2, 2)) == [
+      "preset", "data,expert", "expert,sequence", "data,expert,sequence"]
+  assert planner.foldings(config, "ep", (2, 4, 1, 1)) == ["preset", "data,expert"]
+  # nothing to fold: the preset places no experts here, or the model has none
+  assert planner.foldings(config, "fsdp", (8, 1, 1, 1)) == ["preset"]
+  assert planner.foldings(config, "tp_sp", (4, 1, 2, 1)) == ["preset"]
+  dense = _model()
+  dense.model.num_dense_layers = dense.model.num_layers
+  assert planner.foldings(dense, "tp_sp", (2, 2, 2, 1)) == ["preset"]
 
 
 def _plan_cli(*args):

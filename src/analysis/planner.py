@@ -1,13 +1,14 @@
 """The planner: the best layout for a model on N GPUs, from the cost model, without the GPUs.
 
-A layout is everything a user picks beside the model: the mesh axis sizes, the preset, where weights are
-stored (`mesh.weight_storage`), the tier, the number of micro-batches, remat, and (when allowed) the lossy
+A layout is everything a user picks beside the model: the mesh axis sizes, the preset, the mesh axes of
+the MoE layers' experts (`mesh.expert_axes`: MoE parallel folding, `foldings`), where weights are stored
+(`mesh.weight_storage`), the tier, the number of micro-batches, remat, and (when allowed) the lossy
 compression options. `search` enumerates the layouts the config validation accepts, builds each one's
 parallel plan on a deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose
 modelled memory does not fit the GPU (less a margin for what the memory model leaves out), predicts the
-step time of the rest (step_time.py) and ranks them fastest first. For each (mesh, preset, storage, tier,
-remat) only the fewest micro-batches that fit is kept: more micro-batches never make the modelled step
-faster (the same FLOPs, and per-micro-batch collectives repeat).
+step time of the rest (step_time.py) and ranks them fastest first. For each (mesh, preset, experts' axes,
+storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never make the
+modelled step faster (the same FLOPs, and per-micro-batch collectives repeat).
 
 Everything here is modelled. `experiments.plan --verify=K` compiles the top K deviceless and prints the
 compiled figures beside these (experiments/benchmarks/RESULTS.md has the comparison).
@@ -52,6 +53,7 @@ class Layout:
   grad_accum_steps: int
   gradient_compression: str = "none"
   exchange_dtype: str = "auto"  # the MoE token exchanges' wire format, both ways and their gradients
+  expert_axes: str = "preset"  # MoE parallel folding (`mesh.expert_axes`; the width axes stay "preset")
 
   @classmethod
   def of(cls, config: Config, num_gpus: int) -> Layout:
@@ -59,13 +61,15 @@ class Layout:
     sizes = resolve_mesh_sizes(config.validate(num_gpus).mesh, num_gpus)
     p = config.parallel
     return cls(tuple(sizes[a] for a in MESH_AXES), config.mesh.preset, config.mesh.weight_storage, p.impl,
-               config.model.remat, config.train.grad_accum_steps, p.gradient_compression, p.moe_dispatch_dtype)
+               config.model.remat, config.train.grad_accum_steps, p.gradient_compression, p.moe_dispatch_dtype,
+               config.mesh.expert_axes)
 
   def apply(self, config: Config) -> Config:
     """A copy of `config` with this layout."""
     config = copy.deepcopy(config)
     config.mesh = MeshConfig(**dict(zip(MESH_AXES, self.mesh)), preset=self.preset,
-                             weight_storage=self.weight_storage)
+                             weight_storage=self.weight_storage, expert_axes=self.expert_axes,
+                             expert_width_axes=config.mesh.expert_width_axes)
     config.parallel.impl = self.impl
     config.model.remat = self.remat
     config.train.grad_accum_steps = self.grad_accum_steps
@@ -80,6 +84,8 @@ class Layout:
     flags += [f"--config.mesh.preset={self.preset}", f"--config.mesh.weight_storage={self.weight_storage}",
               f"--config.parallel.impl={self.impl}", f"--config.model.remat={self.remat}",
               f"--config.train.grad_accum_steps={self.grad_accum_steps}"]
+    if self.expert_axes != "preset":
+      flags.append(f"--config.mesh.expert_axes={self.expert_axes}")
     if self.gradient_compression != "none":
       flags.append(f"--config.parallel.gradient_compression={self.gradient_compression}")
     if self.exchange_dtype != "auto":
@@ -90,8 +96,9 @@ class Layout:
   def describe(self) -> str:
     mesh = "x".join(map(str, self.mesh))
     extra = "".join(f" {v}" for v in (self.gradient_compression, self.exchange_dtype) if v not in ("none", "auto"))
-    return (f"{mesh:>11s} {self.preset:9s} {self.weight_storage:7s} {self.impl:9s} {self.grad_accum_steps:4d} "
-            f"{self.remat:5s}{extra}")
+    experts = "preset" if self.expert_axes == "preset" else ".".join(a[0] for a in self.expert_axes.split(","))
+    return (f"{mesh:>11s} {self.preset:9s} {experts:7s} {self.weight_storage:7s} {self.impl:9s} "
+            f"{self.grad_accum_steps:4d} {self.remat:5s}{extra}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +156,30 @@ def layouts(config: Config, num_gpus: int, gpus_per_node: int, allow_compression
   accums = [a for a in range(1, batch + 1) if batch % a == 0]
   for preset in presets:
     for mesh in mesh_shapes(config, num_gpus, gpus_per_node, preset):
-      for storage in _storages(preset, mesh):
+      for storage, experts in itertools.product(_storages(preset, mesh), foldings(config, preset, mesh)):
         for impl, remat, (compression, exchange) in itertools.product(
             tiers, remats, _compressions(config, allow_compression)):
-          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange) for a in accums)
+          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange, experts) for a in accums)
+
+
+def foldings(config: Config, preset: str, mesh: tuple[int, ...]) -> list[str]:
+  """The `mesh.expert_axes` worth trying for `preset` on `mesh`: its own ("preset"), and every set of more
+  axes that split the tokens, each of more than one device, whose devices divide the experts (MoE parallel
+  folding: sharding/rules.py). Folding only adds axes: fewer would replicate experts the preset splits."""
+  table = rules.get_preset(preset)
+  own = [a for a in table.params.get("exp", ()) if dict(zip(MESH_AXES, mesh))[a] > 1]
+  if not own or config.model.num_layers == config.model.num_dense_layers:
+    return ["preset"]
+  sizes = dict(zip(MESH_AXES, mesh))
+  token_axes = {a for name in ("act_batch", "act_seq") for a in table.activations.get(name, ())}
+  more = [a for a in MESH_AXES if a not in own and a in token_axes and sizes[a] > 1]
+  found = ["preset"]
+  for count in range(1, len(more) + 1):
+    for extra in itertools.combinations(more, count):
+      axes = [a for a in MESH_AXES if a in own or a in extra]
+      if config.model.moe.num_experts % math.prod(sizes[a] for a in axes) == 0:
+        found.append(",".join(axes))
+  return found
 
 
 def _storages(preset: str, mesh: tuple[int, ...]) -> list[str]:
