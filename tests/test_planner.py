@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from meshmoe.analysis import cost_memory, cost_model, gpus, plan_report, planner, step_time
+from meshmoe.analysis import cost_collectives, cost_memory, cost_model, gpus, plan_report, planner, step_time
 from meshmoe.analysis.cost_collectives import CollectiveCost
 from meshmoe.config import MESH_AXES, Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 
@@ -106,6 +106,27 @@ def test_transfer_time_splits_a_group_between_nvlink_and_the_network():
   # of 3 peers, 1 in this node (NVLink) and 2 in the other (network): the slower part sets the time
   assert step_time.transfer_seconds(plan, across, H100) == pytest.approx(
       max(1e9 / H100.nvlink_bandwidth, 2e9 / H100.network_bandwidth))
+
+
+def test_a_ragged_exchange_is_timed_by_the_rows_it_sends_not_its_worst_case_buffer():
+  """The GPU's ragged all-to-alls are counted (like the HLO count) by their output buffers, sized for the
+  dropless worst case, but their time is that of the rows routing sends: per MoE layer, micro-batch and
+  pass, A = tokens x top_k rows, (ep-1)/ep of them to other devices (balanced routing). Here 16 H100s as
+  megascale 4x4x1x1: each device routes 32/4 sequences x 512/4 positions = 1024 tokens, A = 2048 rows of
+  256 bfloat16 values, 3/4 of them leave; 4 exchanges (dispatch, return, each one's transpose) in each of
+  the 2 MoE layers."""
+  layout = planner.Layout((4, 4, 1, 1), "megascale", "preset", "xla", "none", 1)
+  layout_config, plan = _plan(_model(), layout, 16)
+  assert plan.ops["moe"].exchange == "ragged_all_to_all"
+  ragged = [c for c in cost_collectives.collective_costs(layout_config, plan) if c.kind == "ragged-all-to-all"]
+  sent = 2048 * 256 * 2 * 3 / 4
+  assert sum(c.transferred for c in ragged) == pytest.approx(2 * 4 * sent)
+  # The dispatch's receive buffer holds ep x 1024 x min(top_k, E/ep) = 8192 rows, four times A.
+  assert max(c.bytes for c in ragged) == pytest.approx(2 * 8192 * 256 * 2)
+  costs = [c for c in ragged if c.bytes > c.transferred]
+  assert costs
+  for c in costs:  # `expert` is inside a node: NVLink
+    assert step_time.transfer_seconds(plan, c, H100) == pytest.approx(c.transferred / H100.nvlink_bandwidth)
 
 
 def _cost(compute_s: float, collectives: list, useful_share: float) -> cost_model.StepCost:

@@ -42,8 +42,17 @@ class CollectiveCost:
   kind: str  # HLO name (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute), or one of
   # cost_kernels.FUSED_KINDS for communication inside a fused kernel
   group_size: int
-  bytes: float  # per device, per training step, all occurrences together
+  bytes: float  # per device, per training step, all occurrences together (as the HLO count has them)
   axes: tuple[str, ...] = ()  # the mesh axes of its groups (which links it crosses: the planner's timing)
+  # What the links carry where it is less than `bytes`: a ragged exchange is counted by its output buffer,
+  # sized for the dropless worst case (every peer's rows could come to one device), but moves only the rows
+  # routing sends, the other devices' share of them with balanced routing. None: `bytes`.
+  link_bytes: float | None = None
+
+  @property
+  def transferred(self) -> float:
+    """Bytes one device sends over its links per step (the planner's timing)."""
+    return self.bytes if self.link_bytes is None else self.link_bytes
 
 
 class _Layout:
@@ -93,13 +102,14 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   costs: list[CollectiveCost] = []
   forward_repeats = 1 if m.remat == "none" else 2  # remat recomputes the forward, collectives included
 
-  def add(op, kind, axes, nbytes, forward: bool):
+  def add(op, kind, axes, nbytes, forward: bool, link_bytes: float | None = None):
     count = t.grad_accum_steps * (forward_repeats if forward else 1) * per_layer[op]
     group = lay.size(axes)
     if group > 1 and nbytes:
       # A fused kernel's bytes are its own accounting of what it moves; a collective's, its result size.
       moved = nbytes if kind in cost_kernels.FUSED_KINDS else moved_bytes(kind, group, nbytes)
-      costs.append(CollectiveCost(op, kind, group, count * moved, tuple(axes)))
+      link = None if link_bytes is None else count * link_bytes
+      costs.append(CollectiveCost(op, kind, group, count * moved, tuple(axes), link))
 
   num_moe = m.num_layers - m.num_dense_layers
   per_layer = {"attention": m.num_layers, "dense_mlp": m.num_dense_layers,
@@ -247,13 +257,15 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
     for forward, backward in (dispatch, combine):
       add("moe", "all-to-all", lay.expert_axes, slots * row(forward), True)
       add("moe", "all-to-all", lay.expert_axes, slots * row(backward), False)
-  else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound)
+  else:  # ragged_all_to_all, counted by its output buffer (hlo_collectives: an upper bound); each moves the
+    # A rows routing sends, (ep-1)/ep of them to other devices with balanced routing (`link_bytes`)
     assignments = tokens * k
     ep_axes = lay.expert_axes
-    add("moe", "ragged-all-to-all", ep_axes, slots * row(dispatch[0]), True)  # dispatch: [A] rows in, [ep*S] out
-    add("moe", "ragged-all-to-all", ep_axes, assignments * row(combine[0]), True)  # return: straight into [A] rows
-    add("moe", "ragged-all-to-all", ep_axes, slots * row(combine[1]), False)  # the return's transpose: [ep*S] out
-    add("moe", "ragged-all-to-all", ep_axes, assignments * row(dispatch[1]), False)  # the dispatch's: [A] out
+    sent = lambda wire_format: assignments * row(wire_format) * (ep - 1) / ep
+    add("moe", "ragged-all-to-all", ep_axes, slots * row(dispatch[0]), True, sent(dispatch[0]))  # [A] in, [ep*S] out
+    add("moe", "ragged-all-to-all", ep_axes, assignments * row(combine[0]), True, sent(combine[0]))  # into [A] rows
+    add("moe", "ragged-all-to-all", ep_axes, slots * row(combine[1]), False, sent(combine[1]))  # its transpose
+    add("moe", "ragged-all-to-all", ep_axes, assignments * row(dispatch[1]), False, sent(dispatch[1]))
 
 
 def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:

@@ -3,7 +3,8 @@ bytes of the cost model (cost_model.step_cost) and the GPU's spec (gpus.py). Mod
 
 - Compute: the FLOPs one device executes (`executed_flops_per_device`: forward, backward, remat, padding)
   at `efficiency` times the GPU's dense bf16 peak. One efficiency for every GEMM: the planner states it.
-- Communication: each collective's bytes per device (cost_collectives.py) over the links its groups cross.
+- Communication: each collective's bytes per device (cost_collectives.py; for a ragged exchange the rows it
+  sends, not the worst-case buffer the HLO count has) over the links its groups cross.
   A group's members inside this device's node are reached over NVLink, the others over the network (one
   NIC per GPU); the bytes split in that proportion and the slower of the two parts sets the time (a ring
   or all-to-all over both moves them at once).
@@ -75,8 +76,8 @@ def transfer_seconds(plan: ParallelPlan, collective: CollectiveCost, gpu: GpuSpe
     return 0.0
   local = peers_in_node(plan, collective.axes)
   remote_share = (group - local) / (group - 1)
-  return max(collective.bytes * (1 - remote_share) / gpu.nvlink_bandwidth,
-             collective.bytes * remote_share / gpu.network_bandwidth)
+  nbytes = collective.transferred
+  return max(nbytes * (1 - remote_share) / gpu.nvlink_bandwidth, nbytes * remote_share / gpu.network_bandwidth)
 
 
 def peers_in_node(plan: ParallelPlan, axes: tuple[str, ...]) -> int:
