@@ -9,6 +9,12 @@ same code path as a multi-host GPU job, where each host is one process. 2 x 4 de
 losses as one process with 8. Process 0 prints as usual; the others' lines come prefixed with
 `[process i]`, and every process also writes <workdir>/logs/process_<i>.log.
 
+The devices are one node's. A config whose fused kernels need their rings in one process
+(parallel.impl=pallas; `python -m experiments.train --print_process_layout` says) is started as one
+process with all --processes x --devices_per_process devices, as experiments/slurm/train.sbatch runs one
+process per node for it, and the launcher says so (--nofit_process_layout keeps the processes as asked:
+the plan then runs the xla tier where a kernel's ring spans them).
+
 SIGTERM or Ctrl-C is passed to every process, which stop at the same step with a checkpoint (a second
 Ctrl-C kills them). A process that dies is reported when it does; the others end on their own (their
 watchdog turns the stuck step into an error after resilience.watchdog_timeout_s). The exit status is the
@@ -30,6 +36,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 _PROCESSES = flags.DEFINE_integer("processes", 2, "number of processes to start")
 _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "simulated CPU devices per process")
 _PORT = flags.DEFINE_integer("port", 0, "coordinator port on localhost (0: a free one)")
+_FIT = flags.DEFINE_bool("fit_process_layout", True, "start one process with every device when the config's "
+                         "fused kernels need their rings in one process (parallel.impl=pallas), as train.sbatch "
+                         "runs one process per node")
 _SET_BY_LAUNCH = ("--coordinator_address", "--num_processes", "--process_id")
 
 
@@ -42,19 +51,46 @@ def main(argv):
   clash = [f for f in train_flags if f.split("=")[0] in _SET_BY_LAUNCH]
   if clash:
     _fail(f"{' '.join(clash)}: experiments.launch sets {', '.join(_SET_BY_LAUNCH)} itself")
+  count, devices = _process_layout(train_flags)
   port = _PORT.value or _free_port()
-  processes = [_start(i, port, train_flags) for i in range(_PROCESSES.value)]
+  processes = [_start(i, count, devices, port, train_flags) for i in range(count)]
   _forward_signals(processes)
   sys.exit(_wait(processes))
 
 
-def _start(index: int, port: int, train_flags: list[str]) -> subprocess.Popen:
+def _process_layout(train_flags: list[str]) -> tuple[int, int]:
+  """(processes, devices per process) to start: as asked, or one process with every device where the
+  config needs one process per node (module docstring). A bad config or flag stops here, with its error."""
+  asked = (_PROCESSES.value, _DEVICES.value)
+  if _PROCESSES.value == 1 or not _FIT.value:
+    return asked
+  answer = subprocess.run([sys.executable, "-m", "experiments.train", "--print_process_layout", *train_flags],
+                          env=_environment(), capture_output=True, text=True)
+  if answer.returncode:
+    sys.exit(answer.stderr.strip().splitlines()[-1] if answer.stderr.strip() else answer.returncode)
+  need, _, why = answer.stdout.strip().splitlines()[-1].partition(" ")
+  if need != "node":
+    return asked
+  total = _PROCESSES.value * _DEVICES.value
+  print(f"experiments.launch: one process of {total} devices instead of {_PROCESSES.value} of {_DEVICES.value}: "
+        f"{why} (--nofit_process_layout keeps the processes as asked)", file=sys.stderr, flush=True)
+  return 1, total
+
+
+def _environment(devices: int | None = None) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-  kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={_DEVICES.value}"])
+  if devices is not None:
+    kept = [f for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+  return env
+
+
+def _start(index: int, count: int, devices: int, port: int, train_flags: list[str]) -> subprocess.Popen:
+  env = _environment(devices)
   command = [sys.executable, "-m", "experiments.train", f"--coordinator_address=localhost:{port}",
-             f"--num_processes={_PROCESSES.value}", f"--process_id={index}", *train_flags]
+             f"--num_processes={count}", f"--process_id={index}", *train_flags]
   # Each process in its own session: Ctrl-C reaches the launcher alone, which turns it into a SIGTERM for
   # all of them (a clean stop with a checkpoint) instead of a KeyboardInterrupt in the middle of a step.
   if index == 0:
@@ -120,7 +156,8 @@ def _fail(message: str) -> None:
 
 def _check_separator(argv: list[str]) -> None:
   """Train flags before `--` would reach absl as unknown launch flags; say where they belong."""
-  own = {"--processes", "--devices_per_process", "--port", "--help", "--helpfull", "--helpshort"}
+  own = {"--processes", "--devices_per_process", "--port", "--fit_process_layout", "--nofit_process_layout",
+         "--help", "--helpfull", "--helpshort"}
   before = argv[1:argv.index("--")] if "--" in argv else argv[1:]
   stray = [a for a in before if a.split("=")[0] not in own]
   if stray:

@@ -40,6 +40,10 @@ _LOCAL_DEVICE_IDS = flags.DEFINE_list(
 _DEBUG_STRAGGLER = flags.DEFINE_string(
     "debug_straggler", None, "PROCESS:SECONDS, a debugging aid: process PROCESS sleeps SECONDS in every step, "
     "to see the straggler detector (resilience.straggler_*) name it. Never use it in a real run.")
+_PRINT_PROCESS_LAYOUT = flags.DEFINE_bool(
+    "print_process_layout", False, "print the processes the config needs per node and why, then exit: 'node' "
+    "(one process drives every device of a node: parallel.impl='pallas', whose kernels need their rings in one "
+    "process) or 'any'. experiments/slurm/train.sbatch and experiments.launch ask before starting processes.")
 
 PREEMPTED_MARKER = "preempted"
 
@@ -59,6 +63,11 @@ def main(argv):
     from meshmoe.models import hf_checkpoint
     config = hf_checkpoint.with_checkpoint_model(config)  # train.init_from's model, before checking it
     config.validate()  # the fields alone; the mesh is checked once the devices are known
+    if _PRINT_PROCESS_LAYOUT.value:
+      from meshmoe.sharding.plan import process_layout
+
+      print(*process_layout(config.parallel))
+      return
     ids = _device_ids(_LOCAL_DEVICE_IDS.value)
     topology = distributed.resolve(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, ids)
     delay = _straggler_delay(_DEBUG_STRAGGLER.value, topology)

@@ -92,9 +92,27 @@ TIERS = {
 }
 
 # `parallel.kernel_backend` -> the backend of meshmoe.pallas_kernels that runs the fused kernels.
-# "auto": Mosaic GPU on Hopper, the op's unfused implementation elsewhere; "collectives": every kernel's
-# plain-collective version (its reference.py), on any platform and shape, to check the tier's layouts.
-FUSED_KERNEL_BACKENDS = {"auto": "mosaic_gpu", "collectives": "collectives"}
+# "auto": Mosaic GPU on Hopper, the op's unfused implementation elsewhere; "mosaic_gpu": Mosaic GPU, and a
+# ConfigError where a kernel cannot run; "collectives": every kernel's plain-collective version (its
+# reference.py), on any platform and shape, to check the tier's layouts.
+FUSED_KERNEL_BACKENDS = {"auto": "mosaic_gpu", "mosaic_gpu": "mosaic_gpu", "collectives": "collectives"}
+
+# What the launchers do about it (experiments/slurm/train.sbatch, experiments.launch: `process_layout`).
+ONE_PROCESS_PER_NODE = ("run one process per node (train.sbatch and experiments.launch do for parallel.impl="
+                        "'pallas'), with the ring's axes inside a node")
+
+
+def process_layout(parallel: ParallelConfig) -> tuple[str, str]:
+  """("node", why) where a run of these parallel options needs one process to drive every device of a node
+  (the tier's communicating Mosaic GPU kernels store into peers' memory, so every device of their rings
+  must be in one process; rings stay inside a node: sharding/mesh.py), else ("any", why not). From the
+  config alone, before any device is known: the launchers ask before they start the processes."""
+  if not TIERS[parallel.impl].fused_kernels:
+    return "any", f"parallel.impl={parallel.impl!r} runs no fused kernels"
+  if FUSED_KERNEL_BACKENDS[parallel.kernel_backend] != "mosaic_gpu":
+    return "any", f"parallel.kernel_backend={parallel.kernel_backend!r} runs the kernels as plain collectives"
+  return "node", (f"parallel.impl={parallel.impl!r}: its Mosaic GPU kernels store into peer GPUs' memory, so "
+                  "one process must drive every GPU of their rings")
 
 
 def _formats_unsupported_by_kernels(formats) -> str | None:
@@ -239,6 +257,25 @@ class ParallelPlan:
     """Whether that sum keeps an error-feedback residual (low-bit formats with it asked for)."""
     return self.gradient_compression in gradient_sync.LOW_BIT and self.parallel.gradient_error_feedback
 
+  # --- Processes ----------------------------------------------------------------------------------------
+
+  @property
+  def process_count(self) -> int:
+    """How many processes drive the mesh's devices (their `process_index`: hosts, or one per GPU)."""
+    return len({d.process_index for d in self.mesh.devices.flat})
+
+  @property
+  def devices_per_process(self) -> int:
+    return self.mesh.size // self.process_count
+
+  def processes_per_ring(self, axes: Axes) -> int:
+    """The most processes any group of devices over mesh `axes` (one ring of a collective over them) spans."""
+    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(self.mesh.devices)
+    inner = [self.mesh.axis_names.index(a) for a in axes]
+    outer = [i for i in range(processes.ndim) if i not in inner]
+    rings = processes.transpose(outer + inner).reshape(-1, self.axis_size(axes))
+    return max(len(set(ring)) for ring in rings)
+
   # --- Placement ----------------------------------------------------------------------------------------
 
   def axis_size(self, axes: Sequence[str]) -> int:
@@ -354,7 +391,7 @@ class ParallelPlan:
       return OpChoice("local")
     return self._gathered_projection(
         "project_in (all-gather GEMM)", allgather_matmul.unsupported(rows, d, width, dtype, self.kernel_tiles),
-        f"sequence all-gathered over {_describe_axes(self, gather)}")
+        f"sequence all-gathered over {_describe_axes(self, gather)}", gather)
 
   def project_out(self, scatter: Axes, rows: int, contraction: int, d: int, dtype) -> OpChoice:
     """How a row-parallel projection of [rows, contraction] blocks @ [contraction, D] runs (rows: of one
@@ -364,7 +401,7 @@ class ParallelPlan:
     return self._gathered_projection(
         "project_out (GEMM reduce-scatter)",
         matmul_reducescatter.unsupported(rows, contraction, d, dtype, self.kernel_tiles),
-        f"sequence reduce-scattered over {_describe_axes(self, scatter)}")
+        f"sequence reduce-scattered over {_describe_axes(self, scatter)}", scatter)
 
   def expert_ffn(self, ep: int, d: int, f: int, dtype) -> ExpertChoice:
     """How the routed experts run for tokens of width d, an expert width of f per device, over ep devices."""
@@ -380,13 +417,15 @@ class ParallelPlan:
       return ExpertChoice("local", f"every expert here; grouped GEMM {gemm_name}", fallback=gemm_fallback,
                           **gemm)
     formats = self._exchange_formats()
-    over = _describe_axes(self, self.expert_layout().expert_axes)  # the token exchange's devices
+    expert_axes = self.expert_layout().expert_axes
+    over = _describe_axes(self, expert_axes)  # the token exchange's devices
     fused_fallback = ""
     if self.tier.fused_kernels and (fused_fallback := _formats_unsupported_by_kernels(formats)) is None:
       tiles = self.kernel_tiles
       backend, fused_fallback = self._fused_kernels(
           "MoE dispatch/return",
-          moe_dispatch_gemm.unsupported(d, [f, f], dtype, tiles) or moe_gemm_return.unsupported([f], d, dtype, tiles))
+          moe_dispatch_gemm.unsupported(d, [f, f], dtype, tiles) or moe_gemm_return.unsupported([f], d, dtype, tiles),
+          expert_axes)
       if backend:
         gradient = self.parallel.moe_swiglu_gradient
         return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
@@ -420,18 +459,19 @@ class ParallelPlan:
               f"{hw.describe()} has none. Allowed here: 'auto' or 'bfloat16'"))
     return formats
 
-  def _gathered_projection(self, op: str, unsupported: str | None, detail: str) -> OpChoice:
+  def _gathered_projection(self, op: str, unsupported: str | None, detail: str, axes: Axes) -> OpChoice:
     fallback = ""
     if self.tier.fused_kernels:
-      backend, fallback = self._fused_kernels(op, unsupported)
+      backend, fallback = self._fused_kernels(op, unsupported, axes)
       if backend:
         tiles = self.kernel_tiles
         return OpChoice("fused", detail + _describe_tiles(tiles, backend), kernel_backend=backend, tiles=tiles)
     return OpChoice(self.tier.gathered_projection, detail, fallback=fallback)
 
-  def _fused_kernels(self, op: str, unsupported: str | None) -> tuple[str, str]:
-    """(kernel backend, "") when the fused kernels of `op` run here, else ("", why not); `unsupported` is
-    the kernels' own verdict on the call's shapes. A reason is logged once per op."""
+  def _fused_kernels(self, op: str, unsupported: str | None, axes: Axes) -> tuple[str, str]:
+    """(kernel backend, "") when the fused kernels of `op`, communicating over the mesh `axes`, run here,
+    else ("", why not); `unsupported` is the kernels' own verdict on the call's shapes. A reason is logged
+    once per op; under `parallel.kernel_backend="mosaic_gpu"` it is a ConfigError instead."""
     backend = FUSED_KERNEL_BACKENDS[self.parallel.kernel_backend]
     if backend == "collectives":
       return backend, ""
@@ -447,10 +487,19 @@ class ParallelPlan:
       # sharding/mesh.py places `tensor` inside `sequence`, which reorders them when both are split.
       reason = ("Mosaic GPU's communicating kernels need a mesh whose device ids are in row-major order, and "
                 "this one places tensor inside sequence (both split)")
+    elif (processes := self.processes_per_ring(axes)) > 1:
+      reason = (f"its ring over {_describe_axes(self, axes)} spans {processes} processes "
+                f"({self.devices_per_process} device(s) each), and Mosaic GPU's communicating kernels need one "
+                "process to drive every GPU of a ring (they store into peers' memory; jax has no NVSHMEM path): "
+                f"{ONE_PROCESS_PER_NODE}")
     else:
       reason = unsupported
     if reason is None:
       return backend, ""
+    if self.parallel.kernel_backend == "mosaic_gpu":
+      raise ConfigError("parallel.kernel_backend", "mosaic_gpu", (
+          f"a layout where the fused kernels run; {op} cannot: {reason}. 'auto' runs the xla tier's "
+          "implementation where a kernel cannot"))
     if (op, reason) not in _FALLBACKS_LOGGED:
       _FALLBACKS_LOGGED.add((op, reason))
       logging.warning("parallel.impl=%r: %s runs its unfused implementation: %s", self.parallel.impl, op, reason)
@@ -462,6 +511,7 @@ class ParallelPlan:
     return {
         "preset": self.preset, "weight_storage": self.weight_storage, "expert_axes": self.expert_axes,
         "expert_width_axes": self.expert_width_axes, "mesh": dict(self.mesh.shape),
+        "processes": self.process_count, "devices_per_process": self.devices_per_process,
         "hardware": dataclasses.asdict(self.hardware),
         "parallel": dataclasses.asdict(self.parallel), "grouped_gemm": self.grouped_gemm,
         "ops": {name: {k: v for k, v in dataclasses.asdict(choice).items() if v not in ("", 0, None)}
@@ -477,8 +527,10 @@ class ParallelPlan:
       width = f", their width over {' x '.join(lay.width_axes)}" if lay.width_axes else ", each whole"
       placement.append(f"experts folded over {' x '.join(lay.expert_axes) or 'no axis'}{width}")
     storage = f" ({'; '.join(placement)})" if placement else ""
+    processes = (f" in {self.process_count} processes of {self.devices_per_process}" if self.process_count > 1
+                 else " in one process")
     lines = [f"parallel plan: preset {self.preset}{storage}, tier {self.parallel.impl}, mesh {mesh} of "
-             f"{self.mesh.size} {self.hardware.describe()} device(s)"]
+             f"{self.mesh.size} {self.hardware.describe()} device(s){processes}"]
     chosen = {name: choice.implementation + (f" ({choice.kernel_backend})" if choice.kernel_backend else "")
               for name, choice in self.ops.items()}
     names, implementations = (max(map(len, column), default=0) for column in (chosen, chosen.values()))

@@ -15,7 +15,7 @@ PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
 WEIGHT_STORAGES = ("preset", "data", "all")
 # Parallel-op tiers: what each runs is meshmoe.sharding.plan.TIERS.
 IMPLS = ("reference", "xla", "pallas")
-KERNEL_BACKENDS = ("auto", "collectives")
+KERNEL_BACKENDS = ("auto", "mosaic_gpu", "collectives")
 ATTENTION_KINDS = ("allgather", "ring", "ulysses")
 ATTENTION_KERNELS = ("auto", "einsum", "tokamax")
 # meshmoe.runtime.xla_flags.PRESETS
@@ -81,7 +81,9 @@ class ParallelConfig:
   # "pallas" (fused communication + GEMM kernels of meshmoe.pallas_kernels on Hopper GPUs; an op runs
   # its "xla" tier where no kernel applies: other platforms, shapes the kernels do not tile, attention).
   impl: str = "reference"
-  # impl="pallas": "auto" runs the Mosaic GPU kernels on Hopper GPUs (each op's "xla" tier elsewhere);
+  # impl="pallas": "auto" runs the Mosaic GPU kernels on Hopper GPUs where their rings are driven by one
+  # process (each op's "xla" tier elsewhere, the plan says why); "mosaic_gpu" runs them too, but a layout
+  # where one cannot run (another GPU, a shape they do not tile, a ring across processes) is a ConfigError;
   # "collectives" runs the tier's layouts with each kernel replaced by its plain-collective version (the
   # kernel's reference.py), on any platform (to check the tier on CPU).
   kernel_backend: str = "auto"

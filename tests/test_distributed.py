@@ -69,6 +69,22 @@ def test_train_rejects_half_a_topology(tmp_path):
   assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
+def test_launch_runs_one_process_of_every_device_for_a_config_whose_kernels_need_it(tmp_path):
+  """parallel.impl=pallas: its Mosaic GPU kernels need every device of their rings in one process, so
+  experiments.launch starts one process of 2 x 4 devices (as train.sbatch runs one per node) and says so;
+  the plan says it runs in one process."""
+  workdir = tmp_path / "run"
+  result = runs.run(runs.launch_command(workdir, *runs.SMALL_FLAGS, "--config.train.steps=2",
+                                        "--config.checkpoint.every_steps=0", "--config.parallel.impl=pallas"))
+  assert ("experiments.launch: one process of 8 devices instead of 2 of 4: parallel.impl='pallas': its Mosaic "
+          "GPU kernels store into peer GPUs' memory") in result.stderr
+  plan = json.loads((workdir / "plan.json").read_text())
+  assert (plan["processes"], plan["devices_per_process"]) == (1, 8)
+  assert sorted(p.name for p in (workdir / "logs").iterdir()) == ["process_0.log"]
+  assert "in one process" in result.stdout and "[process 1]" not in result.stdout
+
+
 # The small model of tests/runs.py, as test_faults.py and test_stragglers.py launch it: its compiled programs
 # are in the session's compile cache once any of them has run. That 2 processes train like one is checked
 # against the one-process reference by test_slurm.py (train.sbatch's 2 tasks) and test_data_runs.py

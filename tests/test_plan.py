@@ -457,3 +457,49 @@ def test_a_folding_the_token_exchange_cannot_run_is_one_config_error():
       r"model.moe.num_experts=4 is invalid: a multiple of 8: preset 'tp_sp' with mesh.expert_axes='data,expert,tensor' "
       r"splits the experts over mesh axes data=2 x expert=2 x tensor=2")):
     ParallelPlan.build(uneven, make_mesh(uneven.mesh))
+
+
+def _h100_plan(hosts: int, kernel_backend: str = "auto") -> ParallelPlan:
+  """moe_1b's widths on 16 deviceless H100s as tp_sp 1x4x4x1, the pallas tier, `hosts` processes."""
+  from experiments.configs import moe_1b
+
+  config = moe_1b.get_config()
+  config.mesh = MeshConfig(data=1, expert=4, tensor=4, sequence=1, preset="tp_sp")
+  config.parallel = ParallelConfig(impl="pallas", kernel_backend=kernel_backend)
+  config.train.global_batch_size = 64
+  devices = deviceless.gpu_devices(16, "h100_sxm", hosts)
+  return ParallelPlan.build(config.validate(16), make_mesh(config.mesh, devices))
+
+
+def test_fused_kernels_run_only_where_one_process_drives_their_ring():
+  """Mosaic GPU's communicating kernels store into peers' memory: every device of a kernel's ring must be
+  driven by one process. One process per node of 8 (hosts=2): the tensor rings (4 devices) stay inside a
+  node and fuse, the MoE's ring over `expert` (4 x 4 = 16 devices, 2 nodes) does not; one process per GPU
+  (hosts=16): nothing fuses. Each fallback names the ring and the processes; kernel_backend="mosaic_gpu"
+  makes it one ConfigError."""
+  per_node, per_gpu = _h100_plan(2), _h100_plan(16)
+  assert (per_node.process_count, per_node.devices_per_process) == (2, 8)
+  assert per_node.processes_per_ring(("tensor",)) == 1 and per_node.processes_per_ring(("expert",)) == 2
+  assert per_gpu.processes_per_ring(("tensor",)) == 4 and per_gpu.processes_per_ring(("expert", "tensor")) == 16
+  assert per_node.ops["attention.project_in"].implementation == "fused"
+  assert per_node.ops["moe"].implementation == "all_to_all"
+  assert ("its ring over expert (4 devices) spans 2 processes (8 device(s) each), and Mosaic GPU's communicating "
+          "kernels need one process to drive every GPU of a ring") in per_node.ops["moe"].fallback
+  for name in ("attention.project_in", "attention.project_out", "moe"):
+    assert per_gpu.ops[name].implementation != "fused"
+    assert "spans 4 processes (1 device(s) each)" in per_gpu.ops[name].fallback, name
+  assert per_gpu.table().splitlines()[0].endswith("device(s) in 16 processes of 1")
+  assert per_gpu.to_json()["processes"] == 16 and per_gpu.to_json()["devices_per_process"] == 1
+  one = ParallelPlan.build(_config("ep"), make_mesh(_config("ep").mesh))
+  assert one.table().splitlines()[0].endswith("device(s) in one process") and one.process_count == 1
+  with pytest.raises(config_lib.ConfigError, match=(
+      r"parallel.kernel_backend='mosaic_gpu' is invalid: a layout where the fused kernels run; project_in "
+      r"\(all-gather GEMM\) cannot: its ring over tensor \(4 devices\) spans 4 processes")):
+    _h100_plan(16, "mosaic_gpu")
+
+
+def test_the_process_layout_a_config_needs_follows_the_tier_and_backend():
+  assert plan_lib.process_layout(ParallelConfig(impl="pallas"))[0] == "node"
+  assert plan_lib.process_layout(ParallelConfig(impl="pallas", kernel_backend="mosaic_gpu"))[0] == "node"
+  assert plan_lib.process_layout(ParallelConfig(impl="pallas", kernel_backend="collectives"))[0] == "any"
+  assert plan_lib.process_layout(ParallelConfig(impl="xla"))[0] == "any"

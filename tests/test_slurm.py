@@ -9,6 +9,7 @@ Skipped when `sbatch` is not installed, except where MESHMOE_REQUIRE_SLURM=1 (CI
 failure: CI must never pass without running this test.
 """
 
+import json
 import os
 import re
 import shutil
@@ -71,6 +72,30 @@ def test_sbatch_job_is_preempted_requeued_and_trains_like_one_process(slurm, ref
         assert record[field] == pytest.approx(expected[field], rel=FP32_MODEL_RTOL), (record["step"], field)
   for process in (0, 1):
     assert "(from SLURM)" in (workdir / "logs" / f"process_{process}.log").read_text()
+
+
+@pytest.mark.slow
+def test_sbatch_runs_one_process_per_node_for_a_config_whose_kernels_need_it(slurm, tmp_path):
+  """parallel.impl=pallas asks for one process per node (its Mosaic GPU kernels need every GPU of their
+  rings in one process): the job asked for 2 tasks per node runs one process with the node's 2 x 4 devices,
+  and says why."""
+  workdir, output = tmp_path / "run", tmp_path / "slurm.out"
+  environment = {"MESHMOE_PLATFORM": "cpu", "MESHMOE_CPU_DEVICES": "4", "MESHMOE_VENV": sys.prefix}
+  submit = subprocess.run(
+      ["sbatch", "--parsable", "--wait", "--job-name=meshmoe-ci-node", "--nodes=1", "--ntasks-per-node=2",
+       "--gpus-per-node=0", "--cpus-per-task=1", "--time=10:00", f"--output={output}", "--no-requeue",
+       "--export=ALL," + ",".join(f"{k}={v}" for k, v in environment.items()),
+       "experiments/slurm/train.sbatch", f"--workdir={workdir}", *runs.SMALL_FLAGS, "--config.train.steps=2",
+       "--config.checkpoint.every_steps=0", "--config.parallel.impl=pallas"],
+      cwd=REPO, env=runs.env(), capture_output=True, text=True, timeout=600)
+  text = output.read_text() if output.exists() else ""
+  assert submit.returncode == 0, submit.stderr + text[-3000:]
+  assert ("train.sbatch: one process per node instead of 2: parallel.impl='pallas': its Mosaic GPU kernels store "
+          "into peer GPUs' memory") in text
+  assert "1 process(es) per node" in text and "process 0 of 1 on host" in text
+  assert re.search(r"^done: 2 steps in", text, re.MULTILINE), text[-3000:]
+  plan = json.loads((workdir / "plan.json").read_text())
+  assert (plan["processes"], plan["devices_per_process"]) == (1, 8)
 
 
 def _state(job: str) -> str:
