@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from meshmoe.analysis import cost_collectives, cost_memory, cost_model, gpus, plan_report, planner, step_time
+from meshmoe.analysis import (cost_collectives, cost_kernels, cost_memory, cost_model, gpus, plan_report, planner,
+                              step_time)
 from meshmoe.analysis.cost_collectives import CollectiveCost
 from meshmoe.config import MESH_AXES, Config, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 
@@ -127,6 +128,28 @@ def test_a_ragged_exchange_is_timed_by_the_rows_it_sends_not_its_worst_case_buff
   assert costs
   for c in costs:  # `expert` is inside a node: NVLink
     assert step_time.transfer_seconds(plan, c, H100) == pytest.approx(c.transferred / H100.nvlink_bandwidth)
+
+
+def test_a_fused_kernel_hides_its_traffic_only_up_to_its_own_gemms():
+  """The pallas tier's MoE kernels on 8 H100s (megascale 2x4x1x1): their traffic is hidden behind the
+  routed experts' GEMMs they run, up to those GEMMs' time; the rest is exposed. Here the kernels move
+  13.4 MB over NVLink (29.7 us) and compute 12.5 GFLOP at 50% of the peak (25.4 us): 4.3 us are exposed."""
+  layout = planner.Layout((2, 4, 1, 1), "megascale", "preset", "pallas", "none", 1)
+  layout_config, plan = _plan(_model(), layout, 8)
+  assert plan.ops["moe"].implementation == "fused"
+  cost = cost_model.step_cost(layout_config, plan)
+  fused = [c for c in cost.collectives if c.kind in cost_kernels.FUSED_KINDS]
+  assert fused and {c.op for c in fused} == {"moe"}
+  transfer = sum(c.bytes for c in fused) / H100.nvlink_bandwidth
+  gemms = cost_model.flops_in_kernels(layout_config, plan)["routed_experts"] / (0.5 * H100.dense_bf16_flops)
+  assert gemms < transfer < 2 * gemms  # this case tests the cap
+  others = dataclasses.replace(cost, collectives=[c for c in cost.collectives if c not in fused])
+  without = step_time.predict(layout_config, plan, H100, 0.5, others)
+  predicted = step_time.predict(layout_config, plan, H100, 0.5, cost)
+  assert predicted.hidden_comm_s == pytest.approx(without.hidden_comm_s + gemms)
+  assert predicted.exposed_comm_s == pytest.approx(without.exposed_comm_s + transfer - gemms)
+  # Traffic shorter than the GEMMs hides whole.
+  assert step_time.fused_overlap(1.0, 3.0) == 1.0 and step_time.fused_overlap(3.0, 1.0) == 1.0
 
 
 def _cost(compute_s: float, collectives: list, useful_share: float) -> cost_model.StepCost:

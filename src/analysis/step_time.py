@@ -9,7 +9,10 @@ bytes of the cost model (cost_model.step_cost) and the GPU's spec (gpus.py). Mod
   NIC per GPU); the bytes split in that proportion and the slower of the two parts sets the time (a ring
   or all-to-all over both moves them at once).
 - Overlap: a collective is hidden behind compute when the tier runs it beside independent work, and
-  exposed otherwise (`hidden_fraction`): the fused kernels' traffic (inside their GEMMs), the xla tier's
+  exposed otherwise (`hidden_fraction`): the fused kernels' traffic inside their own GEMMs, up to those
+  GEMMs' time (`fused_overlap`: a kernel whose transfers outlast its tiles' compute waits for them; the
+  MoE kernels' traffic against the routed experts' FLOPs in kernels, the projections' against the fused
+  projections', each summed over the step's passes), the xla tier's
   ring projections and zigzag ring attention (each transfer beside a block), the chunked MoE pipeline's
   exchanges ((c-1)/c of them: the first chunk's dispatch waits), the two-halves layer schedule's exchanges
   (beside the other half), and, under XLA's overlap flags, gradient reductions (beside the backward of
@@ -59,13 +62,33 @@ def predict(config: Config, plan: ParallelPlan, gpu: GpuSpec, efficiency: float,
   `cost`: the cost model's figures if already computed (cost_model.step_cost)."""
   cost = cost or cost_model.step_cost(config, plan)
   hidden = exposed = 0.0
+  fused = dict.fromkeys(_KERNEL_FLOPS, 0.0)  # seconds of the fused kernels' traffic, by the GEMMs it hides in
   for collective in cost.collectives:
     seconds = transfer_seconds(plan, collective, gpu)
+    if collective.kind in cost_kernels.FUSED_KINDS:
+      fused["moe" if collective.op == "moe" else "projections"] += seconds
+      continue
     share = hidden_fraction(plan, collective)
     hidden += share * seconds
     exposed += (1 - share) * seconds
+  if any(fused.values()):
+    in_kernels = cost_model.flops_in_kernels(config, plan)
+    for part, seconds in fused.items():
+      kernel_hidden = fused_overlap(seconds, in_kernels[_KERNEL_FLOPS[part]] / (efficiency * gpu.dense_bf16_flops))
+      hidden += kernel_hidden
+      exposed += seconds - kernel_hidden
   compute = cost.executed_flops_per_device.total / (efficiency * gpu.dense_bf16_flops)
   return StepTime(compute, hidden, exposed, cost.model_flops, plan.mesh.size, gpu.dense_bf16_flops)
+
+
+# The fused kernels' traffic, by op, and the part of cost_model.flops_in_kernels whose GEMMs it runs inside.
+_KERNEL_FLOPS = {"moe": "routed_experts", "projections": "projections"}
+
+
+def fused_overlap(transfer_s: float, kernel_compute_s: float) -> float:
+  """Seconds of a fused kernel's traffic hidden behind its own GEMMs: all of it up to their time; what
+  outlasts them is exposed (the kernels' tiles wait for their rows)."""
+  return min(transfer_s, kernel_compute_s)
 
 
 def transfer_seconds(plan: ParallelPlan, collective: CollectiveCost, gpu: GpuSpec) -> float:
@@ -90,9 +113,10 @@ def peers_in_node(plan: ParallelPlan, axes: tuple[str, ...]) -> int:
 
 
 def hidden_fraction(plan: ParallelPlan, collective: CollectiveCost) -> float:
-  """The share of a collective's time the plan runs beside independent compute (module docstring)."""
+  """The share of a collective's time the plan runs beside independent compute (module docstring); not
+  for the fused kernels' traffic, which `predict` caps at their GEMMs' time (`fused_overlap`)."""
   if collective.kind in cost_kernels.FUSED_KINDS:
-    return 1.0
+    raise ValueError(f"{collective.kind}: a fused kernel's traffic is hidden up to its GEMMs (fused_overlap)")
   overlapping_flags = plan.parallel.xla_flags != "none"
   if collective.op == "gradients" or collective.op == "weights":
     return 1.0 if overlapping_flags else 0.0
