@@ -103,6 +103,9 @@ def test_cost_model_matches_compiled_step_with_latent_attention(sizes, preset, a
 #   lookup instead of all-to-all-ing the looked-up tokens. Not with compression (Config refuses it).
 # - accumulation: two micro-batches of 16 sequences: the step carries a float32 gradient sum beside each
 #   micro-batch's; the in-op collectives, compressed sums and storage gathers once per micro-batch.
+# - experts: MoE parallel folding (mesh.expert_axes): the token exchange over the folded axes, the experts
+#   whole (no expert-width gather of the sequence under tp_sp, nothing gathered for storage when the experts
+#   take every token axis).
 FEATURES = [  # (data, expert, tensor, sequence), preset, tier, remat, features
     ((2, 2, 1, 2), "megascale", "xla", "none",
      dict(formats=("float8_e4m3fn", "bfloat16", "float8_e4m3fn"), two_halves=True, compression="bfloat16")),
@@ -114,6 +117,8 @@ FEATURES = [  # (data, expert, tensor, sequence), preset, tier, remat, features
     ((2, 4, 1, 1), "ep", "reference", "full", dict(storage="all")),
     ((4, 2, 1, 1), "tp_sp", "xla", "full", dict(storage="all")),
     ((2, 2, 1, 2), "megascale", "reference", "none", dict(storage="data", accumulation=True)),
+    ((2, 2, 2, 1), "tp_sp", "xla", "none", dict(experts="expert,tensor")),
+    ((2, 4, 1, 1), "ep", "reference", "full", dict(experts="data,expert", storage="all", accumulation=True)),
 ]
 
 
@@ -133,6 +138,7 @@ def test_cost_model_matches_compiled_step_with_features(sizes, preset, impl, rem
     p.layer_schedule = "two_halves"
   p.gradient_compression = features.get("compression", "none")
   config.mesh.weight_storage = features.get("storage", "preset")
+  config.mesh.expert_axes = features.get("experts", "preset")
   if features.get("accumulation"):
     config.train.global_batch_size, config.train.grad_accum_steps = 32, 2
   _check_against_compiled_step(config.validate(8))
@@ -176,11 +182,14 @@ def test_parameter_memory_is_exact():
   assert memory.optimizer < 2 * memory.params  # split over the 8 devices
 
 
-@pytest.mark.parametrize("sizes,preset,storage", [((2, 2, 1, 2), "megascale", "data"), ((2, 2, 2, 1), "tp_sp", "all")])
-def test_parameter_memory_is_exact_with_weight_storage(sizes, preset, storage):
-  """Under mesh.weight_storage the modelled parameter and optimizer bytes per device are what the arrays hold."""
+@pytest.mark.parametrize("sizes,preset,storage,experts", [((2, 2, 1, 2), "megascale", "data", "preset"),
+                                                           ((2, 2, 2, 1), "tp_sp", "all", "preset"),
+                                                           ((2, 2, 2, 1), "tp_sp", "all", "data,expert,tensor")])
+def test_parameter_memory_is_exact_with_weight_storage(sizes, preset, storage, experts):
+  """Under mesh.weight_storage (and MoE parallel folding: mesh.expert_axes) the modelled parameter and
+  optimizer bytes per device are what the arrays hold."""
   config = _config(sizes, preset, "allgather", "none")
-  config.mesh.weight_storage = storage
+  config.mesh.weight_storage, config.mesh.expert_axes = storage, experts
   plan = plan_for(config.validate(8))
   _, state = train_step.create(config, plan)
   memory = cost_model.step_cost(config, plan).memory
