@@ -157,6 +157,18 @@ def choose_form(rows: tuple[Row, ...], form: str, compute_capability: str, dtype
   return None, f"no measured {form} candidate for {gen} and {dtype_name} takes widths {d} and {f}"
 
 
+def measured_row(candidate: Candidate, compute_capability: str, dtype, d: int, f: int,
+                 extra_table: str = "") -> Row | None:
+  """The row that measured `candidate` correct at exactly widths (d, f) on this GPU generation and dtype
+  (the fastest, if several), or None: the planner's measured rate for a grouped GEMM
+  (meshmoe.analysis.step_time)."""
+  gen, dtype_name = generation(compute_capability), jnp.dtype(dtype).name
+  rows = [r for r in load_rows(extra_table)
+          if (r.generation, r.dtype, r.form, r.candidate.name, r.d_model, r.expert_width) ==
+          (gen, dtype_name, candidate.form, candidate.name, d, f) and r.correct]
+  return max(rows, key=lambda r: r.tflops, default=None)
+
+
 def choose(compute_capability: str, dtype, d: int, f: int, num_sms: int = 0, extra_table: str = "",
            overrides: dict[str, str] | None = None) -> tuple[GemmKernels | None, str]:
   """(the kernels of the three forms, "") or (None, why the GPU kernels cannot run: the exact path runs);

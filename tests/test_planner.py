@@ -4,6 +4,7 @@ the step-time model, on deviceless H100 meshes (no compile but in the --verify t
 import dataclasses
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -150,6 +151,39 @@ def test_a_fused_kernel_hides_its_traffic_only_up_to_its_own_gemms():
   assert predicted.exposed_comm_s == pytest.approx(without.exposed_comm_s + transfer - gemms)
   # Traffic shorter than the GEMMs hides whole.
   assert step_time.fused_overlap(1.0, 3.0) == 1.0 and step_time.fused_overlap(3.0, 1.0) == 1.0
+
+
+def test_routed_expert_gemms_are_timed_at_the_kernel_table_s_measured_rates_where_it_has_their_shape():
+  """Mixtral-8x7B as ep 8x8 on 64 H100s (experts whole: widths 4096 x 14336, the table's mixtral_8x7b class)
+  runs JAX's Hopper kernels, each form measured: the routed experts' forward (with its remat repeat), input
+  and weight gradients take their measured TFLOP/s, the rest of the compute the stated 50%. Split over
+  `tensor` (width 3584, no measured row) they take the stated efficiency, and the plan says so."""
+  import json
+  from experiments.configs import mixtral_8x7b
+
+  table = json.loads((pathlib.Path(ROOT) / "sharding" / "gpu_kernel_table.json").read_text())["rows"]
+  config = mixtral_8x7b.get_config()
+  layout = planner.Layout((8, 8, 1, 1), "ep", "data", "xla", "dots", 4)
+  layout_config, plan = _plan(config, layout, 64)
+  kernels = plan.ops["moe"].gemm_kernels
+  predicted = step_time.predict(layout_config, plan, H100, 0.5)
+  cost = cost_model.step_cost(layout_config, plan)
+  routed = cost.executed_flops_per_device.routed_experts
+  one_pass = routed / 4  # dots: the expert GEMMs' forward twice, then the two gradients
+  expected = (cost.executed_flops_per_device.total - routed) / (0.5 * H100.dense_bf16_flops)
+  for form, passes, candidate in zip(("forward", "input_gradient", "weight_gradient"), (2, 1, 1),
+                                     kernels.candidates()):
+    [row] = [r for r in table if (r["generation"], r["shape_class"], r["form"], r["implementation"]) ==
+             ("sm90", "mixtral_8x7b", form, candidate.implementation) and r["correct"]]
+    expected += passes * one_pass / (row["tflops"] * 1e12)
+    assert f"{row['tflops']:.0f} TFLOP/s ({candidate.implementation}, measured {row['date']}" in predicted.gemm_rates
+  assert predicted.compute_s == pytest.approx(expected, rel=1e-9)
+  split = dataclasses.replace(layout, mesh=(8, 2, 4, 1), preset="megascale", weight_storage="preset")
+  split_config, split_plan = _plan(config, split, 64)
+  stated = step_time.predict(split_config, split_plan, H100, 0.5)
+  assert stated.gemm_rates == ""
+  assert stated.compute_s == pytest.approx(
+      cost_model.step_cost(split_config, split_plan).executed_flops_per_device.total / (0.5 * H100.dense_bf16_flops))
 
 
 def _cost(compute_s: float, collectives: list, useful_share: float) -> cost_model.StepCost:

@@ -130,13 +130,22 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   # forward chunks (models/output.py): forward, input and weight gradient, whatever the remat policy.
   scale["logits"] = 3.0
   if m.remat == "dots":  # dots with batch dimensions (attention, per-tile expert GEMMs) and custom-call
-    scale["attention_scores"] = scale["routed_experts"] = 4.0  # kernels are recomputed
+    scale["attention_scores"] = 4.0  # kernels are recomputed
   if attention_in_kernels(attention):
     # Flash attention's backward recomputes the scores: 5 GEMMs against the plain backward's 4.
     scale["attention_scores"] += 0.5
-  if cost_kernels.swiglu_recomputed(plan.ops.get("moe")):
-    scale["routed_experts"] += 2 / 3  # the SwiGLU gradient kernel recomputes gate and up: 2 of the 3 GEMMs
+  scale["routed_experts"] = expert_flops_scale(config, plan)
   return ForwardFlops(**{name: scale[name] * value for name, value in vars(forward).items()})
+
+
+def expert_flops_scale(config: Config, plan: ParallelPlan) -> float:
+  """The routed experts' executed FLOPs per forward pass's: forward, input and weight gradients, the forward
+  again under remat ("dots" too: its per-tile expert GEMMs have batch dimensions), and the SwiGLU gradient
+  kernel's recomputed gate and up (2 of the 3 GEMMs)."""
+  scale = 3.0 + (config.model.remat != "none")
+  if cost_kernels.swiglu_recomputed(plan.ops.get("moe")):
+    scale += 2 / 3
+  return scale
 
 
 # Key/value rows per block of tokamax's flash attention kernels (the unit of their causal skipping).

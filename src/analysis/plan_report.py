@@ -35,6 +35,12 @@ def ranked_table(found: planner.Search, top: int) -> str:
            _COLUMNS]
   for rank, candidate in enumerate(found.ranked[:top], 1):
     lines.append(_row(rank, candidate, found))
+  measured = [rank for rank, c in enumerate(found.ranked[:top], 1) if c.time.gemm_rates]
+  if measured:
+    best = found.ranked[measured[0] - 1].time.gemm_rates
+    lines.append(f"ranks {', '.join(map(str, measured))} time the routed experts' GEMMs at the rates "
+                 f"sharding/gpu_kernel_table.json measured at their expert shape (#{measured[0]}: {best}); the "
+                 "rest of the compute at the stated efficiency")
   return "\n".join(lines)
 
 

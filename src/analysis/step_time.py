@@ -2,7 +2,10 @@
 bytes of the cost model (cost_model.step_cost) and the GPU's spec (gpus.py). Modelled, never measured.
 
 - Compute: the FLOPs one device executes (`executed_flops_per_device`: forward, backward, remat, padding)
-  at `efficiency` times the GPU's dense bf16 peak. One efficiency for every GEMM: the planner states it.
+  at `efficiency` times the GPU's dense bf16 peak, the efficiency the planner states; except the routed
+  experts' grouped GEMMs where the plan runs a kernel that sharding/gpu_kernel_table.json measured at
+  exactly this expert shape on this GPU generation: each form (forward with its remat repeat, input
+  gradient, weight gradient) at its measured TFLOP/s (`expert_gemm_rates`; StepTime.gemm_rates says which).
 - Communication: each collective's bytes per device (cost_collectives.py; for a ragged exchange the rows it
   sends, not the worst-case buffer the HLO count has) over the links its groups cross.
   A group's members inside this device's node are reached over NVLink, the others over the network (one
@@ -34,6 +37,8 @@ from meshmoe.analysis import cost_kernels, cost_model
 from meshmoe.analysis.cost_collectives import CollectiveCost
 from meshmoe.analysis.gpus import GpuSpec
 from meshmoe.config import Config
+from meshmoe.sharding import gpu_kernel_table
+from meshmoe.sharding.grouped_gemm_kernels import FORMS
 from meshmoe.sharding.plan import ParallelPlan
 
 
@@ -47,6 +52,7 @@ class StepTime:
   model_flops: float  # useful FLOPs of the step, all devices (cost_model.train_step_flops)
   num_devices: int
   peak_flops: float  # dense bf16 peak of one device
+  gemm_rates: str = ""  # the measured rates the routed experts' GEMMs were timed at; "": the stated efficiency
 
   @property
   def step_s(self) -> float:
@@ -77,8 +83,43 @@ def predict(config: Config, plan: ParallelPlan, gpu: GpuSpec, efficiency: float,
       kernel_hidden = fused_overlap(seconds, in_kernels[_KERNEL_FLOPS[part]] / (efficiency * gpu.dense_bf16_flops))
       hidden += kernel_hidden
       exposed += seconds - kernel_hidden
-  compute = cost.executed_flops_per_device.total / (efficiency * gpu.dense_bf16_flops)
-  return StepTime(compute, hidden, exposed, cost.model_flops, plan.mesh.size, gpu.dense_bf16_flops)
+  flops = cost.executed_flops_per_device
+  compute = flops.total / (efficiency * gpu.dense_bf16_flops)
+  rates = expert_gemm_rates(config, plan)
+  if rates:  # the routed experts' passes at their measured rates instead
+    passes = _expert_passes(flops.routed_experts, config, plan)
+    compute += sum(passes[form] / (row.tflops * 1e12) for form, row in rates.items())
+    compute -= sum(passes[form] for form in rates) / (efficiency * gpu.dense_bf16_flops)
+  described = "; ".join(f"{form.replace('_', ' ')} {row.tflops:.0f} TFLOP/s ({row.implementation}, measured "
+                        f"{row.date} on {row.device})" for form, row in rates.items())
+  return StepTime(compute, hidden, exposed, cost.model_flops, plan.mesh.size, gpu.dense_bf16_flops, described)
+
+
+def expert_gemm_rates(config: Config, plan: ParallelPlan) -> dict:
+  """{form: the gpu_kernel_table row measuring the kernel the plan runs for it at exactly this expert shape}
+  for the routed experts' grouped-GEMM forms that have one (none where the plan fuses the MoE or runs no
+  measured kernel)."""
+  moe = plan.ops.get("moe")
+  kernels = getattr(moe, "gemm_kernels", None)
+  if kernels is None or moe.implementation == "fused" or plan.hardware.platform != "gpu":
+    return {}
+  m = config.model
+  width = m.moe.expert_mlp_dim // plan.axis_size(plan.expert_layout().width_axes)
+  found = {}
+  for form, candidate in zip(FORMS, kernels.candidates()):
+    row = gpu_kernel_table.measured_row(candidate, plan.hardware.compute_capability, m.dtype, m.embed_dim, width,
+                                        plan.parallel.kernel_table)
+    if row is not None:
+      found[form] = row
+  return found
+
+
+def _expert_passes(routed_flops: float, config: Config, plan: ParallelPlan) -> dict[str, float]:
+  """The routed experts' executed FLOPs by grouped-GEMM form: the input and weight gradients one forward's
+  worth each, the forward the rest (its remat repeat included)."""
+  forward_units = cost_model.expert_flops_scale(config, plan) - 2.0
+  one = routed_flops / (forward_units + 2.0)
+  return {"forward": forward_units * one, "input_gradient": one, "weight_gradient": one}
 
 
 # The fused kernels' traffic, by op, and the part of cost_model.flops_in_kernels whose GEMMs it runs inside.
