@@ -103,6 +103,9 @@ BAD: dict[str, st.SearchStrategy] = {
     "parallel.gemm_kernels": not_a_string | st.sampled_from(
         ["backward=jax_mgpu", "forward=cublas", "forward", "forward=xla,forward=jax_mgpu", "=xla"]),
     "parallel.kernel_table": not_a_string,
+    **{f"mesh.{field}": not_a_string | st.sampled_from(["", "pipeline", "expert,bogus", "tensor,tensor", "Expert",
+                                                        "expert,,tensor", "all"])
+       for field in ("expert_axes", "expert_width_axes")},
     "model.qk_rope_head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),
     "model.yarn_factor": between_bad(1, math.inf, low_ok=True, high_ok=False),
     "model.head_dim": positive_int_bad() | st.integers(min_value=0, max_value=10**6).map(lambda n: 2 * n + 1),

@@ -7,8 +7,8 @@
 (`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
 communication; `experiments.plan` ranks every layout; tests/test_configs.py validates and shape-checks this
 file.) This config does not train on CPU (2.7 TB of float32 parameters). On 256 H100s its step compiles to
-75.7 GB per device of 84.9 (2026-11-27, deviceless; the cost model says 79.3 GB); 256 is the fewest H100s on
-which any layout fits, by the planner (see "mesh" below).
+67.1 GB per device of 84.9 (2026-11-29, deviceless, 93 s to compile; the cost model says 76.4 GB); 256 is
+the fewest H100s on which any layout fits, by the planner (see "mesh" below).
 
 Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
 blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the same width. Routing: sigmoid
@@ -35,22 +35,26 @@ from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 s
 ExpertBias variables, not parameters, and are not counted.
 
 Choices:
-- mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`): preset "tp_sp" with
-  tensor=8 (within a node), expert=2, data=-1 (16 at 256 devices), every weight's storage split over every
-  axis (mesh.weight_storage="all", FSDP on top of the preset: each layer's weights all-gathered as the step
-  uses them), the fused kernels (parallel.impl="pallas") and 160 micro-batches of 96 sequences (3 per
-  data x expert rank). Float32 parameter + gradient (twice, with the accumulated sum) + two Adam moments
-  are 20 bytes per parameter, 13.4 TB in all: 52 GB per device at 256, split evenly only because the
-  storage is split over every axis. At 128 H100s no layout fits (the least needs 115 GB per device,
-  modelled). The cost is time: every micro-batch gathers the layer's weights again and sums their
-  gradients, which the planner predicts dominate the step (about 4% MFU at its stated 50% GEMM
-  efficiency). DeepSeek itself used 16-way pipeline parallelism, 64-way expert parallelism and ZeRO-1;
-  meshmoe has no pipeline axis.
+- mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`, 2026-11-29): preset
+  "tp_sp" with tensor=8 (within a node: attention's heads), sequence=2, expert=2, data=-1 (8 at 256
+  devices), and the routed experts folded over every axis (mesh.expert_axes, MoE parallel folding): 256-way
+  expert parallelism, one whole expert per device per layer, so no expert weight is replicated or
+  gathered. Every other weight's storage is split over every axis (mesh.weight_storage="all": each layer's
+  attention and dense weights are all-gathered as the step uses them). The xla tier (ties with the
+  reference tier in the model; it overlaps 77% of the compiled collective bytes against 35%) and 960
+  micro-batches of 16 sequences. Float32 parameter + gradient (twice, with the accumulated sum) + two Adam
+  moments are 20 bytes per parameter, 13.4 TB in all: 52 GB per device at 256. At 128 H100s no layout fits.
+  The planner predicts 7.5% MFU at its stated 50% GEMM efficiency (828 s per step; 3.6% for the layout
+  before folding, whose fused MoE kernels cannot run now that the plan knows their ring spans 2 nodes):
+  per micro-batch, the attention and dense weights are gathered again and every gradient summed (about
+  510 s of the step), and the 256-way token exchange takes 190 s. Both go once per step with the
+  distributed optimizer of issue 46 (not built yet). DeepSeek itself used 16-way pipeline parallelism,
+  64-way expert parallelism and ZeRO-1; meshmoe has no pipeline axis.
 - remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
   queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer
   beside the 7168-wide input), and the routed expert GEMMs are recomputed under either policy.
 - train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
-  from 3072 over the first 469B tokens, not modelled) in 160 micro-batches of 96 (see "mesh"). steps:
+  from 3072 over the first 469B tokens, not modelled) in 960 micro-batches of 16 (see "mesh"). steps:
   14.8T tokens / 62.9M = 235K.
 - optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
   warmup steps, down to 2.2e-5 (ratio 0.1). The paper holds the peak until 10T tokens and then decays
@@ -76,11 +80,12 @@ def get_config() -> Config:
               num_groups=8, top_k_groups=4,
               aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=2, tensor=8, sequence=1, preset="tp_sp", weight_storage="all"),
-      parallel=ParallelConfig(impl="pallas"),
+      mesh=MeshConfig(data=-1, expert=2, tensor=8, sequence=2, preset="tp_sp", weight_storage="all",
+                      expert_axes="data,expert,tensor,sequence"),
+      parallel=ParallelConfig(impl="xla"),
       optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=160,
+      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=960,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )

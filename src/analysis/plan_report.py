@@ -26,8 +26,8 @@ def header(found: planner.Search, gpus_per_node: int, efficiency: float) -> str:
       f"one ranked here), {'some' if found.too_big else 'none'} do not fit with any"]) + "\n"
 
 
-_COLUMNS = (f"{'rank':>4s} {'mesh d.e.t.s':>11s} {'preset':9s} {'experts':7s} {'storage':7s} {'tier':9s} {'µb':>4s} {'remat':5s}"
-            f" {'memory':>9s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'exposed s':>9s}")
+_COLUMNS = (f"{'rank':>4s} {'mesh d.e.t.s':>11s} {'preset':9s} {'experts':7s} {'storage':7s} {'tier':9s} {'µb':>4s}"
+            f" {'remat':5s} {'memory':>9s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'exposed s':>9s}")
 
 
 def ranked_table(found: planner.Search, top: int) -> str:
