@@ -163,11 +163,17 @@ def fold_experts(preset: Preset, expert_axes: str = "preset", expert_width_axes:
       optimizer=None if preset.optimizer is None else fold(preset.optimizer, ("exp", "exp_mlp")))
 
 
+def split_token_axes(table: Preset) -> set[str]:
+  """The mesh axes that split the residual stream's tokens (its batch or its sequence): those the experts'
+  token exchange can run over."""
+  return {a for name in ("act_batch", "act_seq") for a in table.activations.get(name, ())}
+
+
 def check_expert_axes(table: Preset, mesh_sizes: Mapping[str, int], field_value: str = "preset") -> None:
   """Raises ConfigError when the experts are split over a mesh axis (of more than one device) that does not
   split the tokens: the token exchange sends each device's tokens to the devices of the other experts, and
   devices holding the same tokens would each send them (the experts computing every token twice)."""
-  token_axes = {a for name in ("act_batch", "act_seq") for a in table.activations.get(name, ())}
+  token_axes = split_token_axes(table)
   unsplit = [a for a in table.params.get("exp", ()) if a not in token_axes and mesh_sizes[a] > 1]
   if unsplit:
     allowed = [a for a in ALL_AXES if a in token_axes]

@@ -166,12 +166,11 @@ def foldings(config: Config, preset: str, mesh: tuple[int, ...]) -> list[str]:
   """The `mesh.expert_axes` worth trying for `preset` on `mesh`: its own ("preset"), and every set of more
   axes that split the tokens, each of more than one device, whose devices divide the experts (MoE parallel
   folding: sharding/rules.py). Folding only adds axes: fewer would replicate experts the preset splits."""
-  table = rules.get_preset(preset)
-  own = [a for a in table.params.get("exp", ()) if dict(zip(MESH_AXES, mesh))[a] > 1]
+  table, sizes = rules.get_preset(preset), dict(zip(MESH_AXES, mesh))
+  own = [a for a in table.params.get("exp", ()) if sizes[a] > 1]
   if not own or config.model.num_layers == config.model.num_dense_layers:
     return ["preset"]
-  sizes = dict(zip(MESH_AXES, mesh))
-  token_axes = {a for name in ("act_batch", "act_seq") for a in table.activations.get(name, ())}
+  token_axes = rules.split_token_axes(table)
   more = [a for a in MESH_AXES if a not in own and a in token_axes and sizes[a] > 1]
   found = ["preset"]
   for count in range(1, len(more) + 1):
