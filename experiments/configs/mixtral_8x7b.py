@@ -17,27 +17,24 @@ Parameters (meshmoe.analysis.cost_model.active_params): 46,702,792,704 total and
 in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.train_step_flops at
 seq_len 4096): 79.7 GFLOP per token.
 
-Compiled for 64 H100s with the 32 micro-batches set here (experiments/benchmarks/RESULTS.md), the step
-peaks at 48.8 GB per device with the fused kernels (parallel.impl "pallas", the default here) and at
-51.4 GB with the xla tier (grouped GEMM kernels, chunked ragged all-to-alls), which "pallas" runs where no
-kernel applies (on CPUs, with a warning). Fewer micro-batches need more memory: the worst-case receive
-buffers of the dropless exchange grow with the micro-batch.
+Compiled for 64 H100s as set here (deviceless, 2026-11-29; experiments/benchmarks/RESULTS.md), the step
+peaks at 62.9 GB per device (the cost model says 78.2 GB).
 
-Choices:
-- mesh: preset "megascale" with expert=8 (one expert per rank, as there are 8), tensor=4, data=-1 (2 at
-  64 devices). megascale splits only the experts (over expert), expert width and heads (over tensor) and
-  nothing over data, so the float32 parameter + gradient + two Adam moments (16 bytes per parameter)
-  per device are 116 GB with tensor=1 (does not fit an 80 GB H100 at any device count) and 32 GB with
-  tensor=4 (18 GB with tensor=8, data=1).
-- remat "full": only each layer's input (4096 values per token) is kept for the backward pass, at the
-  cost of one extra forward (~4/3 the compute). "dots" would also keep the q/k/v/output projections
-  (10240 more values per token per layer, 3.5x the memory) but save little compute: the expert GEMMs are
-  ragged_dot, which the "dots" policy (dot_general without batch dimensions) does not keep, so they
-  are recomputed either way, and they are ~85% of the layer's matmul FLOPs.
+Choices (the planner's best layout on 64 H100s: `python -m experiments.plan --config=<this file> --gpus=64`,
+14.08 s per step, 37.5% MFU, modelled at its stated 50% GEMM efficiency, 2026-11-29):
+- mesh: preset "tp_sp" with expert=8 (one whole expert per rank: Mixtral has 8), tensor=2 (heads, MLP and
+  expert widths), sequence=4 (context parallel), data=-1 (1 at 64 devices); every weight's storage split
+  over every axis the preset leaves it on (mesh.weight_storage="all"), so the float32 parameter, gradients
+  and Adam moments are 14.6 GB per device, and each layer's weights are gathered where it runs. The same
+  placement with the experts folded over data x expert (data=4, expert=2, mesh.expert_axes="data,expert")
+  ranks equal. The layout before (megascale 2x8x4x1, the fused kernels, 32 micro-batches, remat "full")
+  ranks 1036th at 20.9%: its MoE kernels' ring spans 4 nodes, so the plan runs the xla tier's exchange.
+- remat "none": the layout's memory leaves room to keep every layer's activations, which saves the extra
+  forward (4/3 the compute under "full").
+- parallel.impl "xla": the ring projections and the chunked MoE pipeline overlap their transfers.
 - train: 4096-token sequences, 1024 per step (4.2M tokens, the Llama-2 recipe; Mistral did not publish
-  Mixtral's) in 32 micro-batches of 32 sequences: at 64 devices 16 per data rank, each device holding
-  512 tokens of each (8K tokens per device per micro-batch, enough rows per expert for full GEMM tiles).
-  steps only sets the schedule length (~1T tokens).
+  Mixtral's) in 64 micro-batches of 16 sequences (the fewest that fit: the dropless exchange's worst-case
+  receive buffers grow with the micro-batch). steps only sets the schedule length (~1T tokens).
 - optimizer: AdamW, peak lr 3e-4, 2000 warmup steps, cosine to 10%, betas (0.9, 0.95), weight decay 0.1,
   clip 1.0 (Llama-2 style; no published Mixtral recipe).
 - router losses: aux_loss_weight 0.04 is the Hugging Face router_aux_loss_coef 0.02 times top_k: HF's
@@ -53,17 +50,17 @@ def get_config() -> Config:
       model=ModelConfig(
           vocab_size=32000, embed_dim=4096, num_layers=32, num_dense_layers=0, num_heads=32, num_kv_heads=8,
           head_dim=128, mlp_dim=14336, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5, tie_embeddings=False,
-          init_std=0.02, dtype="bfloat16", remat="full",
+          init_std=0.02, dtype="bfloat16", remat="none",
           moe=MoEConfig(
               num_experts=8, top_k=2, expert_mlp_dim=14336, num_shared_experts=0, score_fn="softmax",
               normalize_top_k=True, routed_scaling=1.0, expert_bias=False, aux_loss_weight=0.04,
               z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=8, tensor=4, sequence=1, preset="megascale"),
-      parallel=ParallelConfig(impl="pallas"),
+      mesh=MeshConfig(data=-1, expert=8, tensor=2, sequence=4, preset="tp_sp", weight_storage="all"),
+      parallel=ParallelConfig(impl="xla"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=32,
+      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=64,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )

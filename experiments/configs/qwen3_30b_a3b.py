@@ -20,27 +20,24 @@ per token: 47% routed experts, 24% attention projections, 21% attention scores (
 4096 wide on a 2048-wide model), 8% output logits.
 
 Choices:
-- mesh: preset "megascale" with expert=32 (4 experts per rank), tensor=1, data=-1 (2 at 64 devices).
-  megascale splits nothing over data, so the float32 parameter + gradient + two Adam moments (16 bytes
-  per parameter) per device are 83 GB with expert=8, tensor=1 (no fit on an 80 GB H100 at any device
-  count) and 39 GB with expert=32. Growing the expert axis rather than tensor keeps each 768-wide
-  expert whole (tensor=4 would leave 192-wide expert GEMMs) and makes attention sequence parallel over
-  the same 32 devices (MegaScale-MoE's layout), which is cheap here: only 4 key-value heads are
-  gathered. The 4 key-value heads cap tensor at 4.
-- remat "dots": per device activations are small (d_model 2048; 16 sequences x 128 tokens = 2K
-  tokens per device per micro-batch at 64 devices), so keeping the q/k/v/output projections and router
-  logits (~7.4K values per token per layer beside the 2K input, ~3 GB in all here) is affordable and
-  skips their recompute, 26% of a layer's matmul FLOPs at 4096 tokens. The expert GEMMs (ragged_dot) are not
-  dot_general, so "dots" recomputes them like "full" does. Use remat="full" where memory is short.
+- mesh: the planner's best layout on 64 H100s (`python -m experiments.plan --config=<this file> --gpus=64`,
+  4.25 s per step, 36.0% MFU, modelled at its stated 50% GEMM efficiency, 2026-11-29): preset "ep" with
+  expert=2 (64 whole 768-wide experts per rank, inside a node, so the fused MoE kernels' ring is driven
+  by one process), data=-1 (32 at 64 devices), every weight's model dimension also split over data for
+  storage (mesh.weight_storage="data": 10 GB of float32 parameters, gradients and Adam moments per device;
+  each layer's weights gathered where it runs). Compiled deviceless for 64 H100s (2026-11-29,
+  experiments/benchmarks/RESULTS.md) the step peaks at 52.9 GB per device; the cost model says 53.9 GB.
+  The layout before (megascale 2x32x1x1, 32 micro-batches) ranks 2243rd at 7.0%: its MoE kernels' ring
+  over 32 devices spans 4 nodes, so the plan runs the xla tier's exchange there.
+- remat "dots": keeping the q/k/v/output projections and router logits (~7.4K values per token per layer
+  beside the 2K input) skips their recompute, 26% of a layer's matmul FLOPs at 4096 tokens. The expert
+  GEMMs are custom kernels, which "dots" recomputes like "full" does. Use remat="full" where memory is short.
 - train: 4096-token sequences (Qwen3's pre-training stages 1-2), 1024 per step (4.2M tokens; the
-  report does not give the batch) in 32 micro-batches (memory, below). steps only sets the schedule
-  length (~1T tokens of the published 36T).
-- parallel.impl "pallas" with the 32 micro-batches set here, so that the step fits an 80 GB H100 whichever
-  tier runs it: the fused kernels where they apply, else the xla tier (grouped GEMM kernels, chunked ragged
-  all-to-alls; on CPUs "pallas" runs it, with a warning). The xla tier peaks at 62.6 GB per device
-  compiled for 64 H100s (experiments/benchmarks/RESULTS.md); the dropless exchange's worst-case receive
-  buffers grow with the micro-batch. The reference tier does not fit: XLA multiplies each device's
-  dropless worst-case receive buffer by all 4 local experts densely (101x the useful FLOPs).
+  report does not give the batch) in 2 micro-batches of 512 (the fewest that fit). steps only sets the
+  schedule length (~1T tokens of the published 36T).
+- parallel.impl "pallas": the fused MoE kernels (dispatch + grouped GEMM, grouped GEMM + return) on
+  Hopper GPUs with one process per node (experiments/slurm/train.sbatch runs that for this config); the
+  xla tier elsewhere (on CPUs "pallas" runs it, with a warning).
 - optimizer: the report gives no optimizer settings; AdamW, peak lr 3e-4, 2000 warmup steps, cosine to
   10%, betas (0.9, 0.95), weight decay 0.1, clip 1.0.
 - router losses: aux_loss_weight 0.008 is the Hugging Face router_aux_loss_coef 0.001 times top_k: HF's
@@ -64,11 +61,11 @@ def get_config() -> Config:
               normalize_top_k=True, routed_scaling=1.0, expert_bias=False, aux_loss_weight=0.008,
               z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=32, tensor=1, sequence=1, preset="megascale"),
+      mesh=MeshConfig(data=-1, expert=2, tensor=1, sequence=1, preset="ep", weight_storage="data"),
       parallel=ParallelConfig(impl="pallas"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=32,
+      train=TrainConfig(steps=250_000, global_batch_size=1024, seq_len=4096, grad_accum_steps=2,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )

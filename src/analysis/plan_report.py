@@ -38,7 +38,8 @@ def ranked_table(found: planner.Search, top: int) -> str:
   measured = [rank for rank, c in enumerate(found.ranked[:top], 1) if c.time.gemm_rates]
   if measured:
     best = found.ranked[measured[0] - 1].time.gemm_rates
-    lines.append(f"ranks {', '.join(map(str, measured))} time the routed experts' GEMMs at the rates "
+    which = f"ranks {', '.join(map(str, measured))} time" if len(measured) > 1 else f"rank {measured[0]} times"
+    lines.append(f"{which} the routed experts' GEMMs at the rates "
                  f"sharding/gpu_kernel_table.json measured at their expert shape (#{measured[0]}: {best}); the "
                  "rest of the compute at the stated efficiency")
   return "\n".join(lines)
