@@ -17,7 +17,10 @@ One function answers each question:
 - Layout questions, for the ops and the cost model alike: over which mesh axes a projection gathers the
   sequence (`projection_axes`), how expert parallelism splits and gathers (`expert_layout`), how a weight
   is placed inside an op and so which axes it is gathered over (`weight_spec` against `param_spec`), and
-  in what order the sequence must be for context-parallel attention (`sequence_order`).
+  in what order the sequence must be for context-parallel attention (`sequence_order`), and which
+  processes drive the mesh: a fused kernel runs only where one process drives every device of its ring
+  (`processes_per_ring`; Mosaic GPU's communicating kernels store into peers' memory), and `process_layout`
+  tells the launchers from the config alone whether a run needs one process per node.
 - The grouped GEMM of the unfused MoE paths (`grouped_gemm`), also for ops called with no plan active.
   It and the other choices that depend only on the devices and the shapes (`Hardware`, `grouped_gemm_for`,
   `attention_kernel`) are in hardware.py; the model's tensor-parallel blocks, which `build` walks, in
