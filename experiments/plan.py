@@ -75,6 +75,7 @@ def main(argv):
     best = found.ranked[0].layout
     print(f"\nbest: python -m experiments.train --config={flags.FLAGS['config'].config_filename} "
           f"{' '.join(_planned_overrides(sys.argv[1:], config, best.overrides().split()))}")
+    print(plan_report.process_layout(best, config))
     for rank, candidate in enumerate(found.ranked[:_VERIFY.value], 1):
       report = planner.verify(config, candidate, found, _GPUS_PER_NODE.value)
       print(plan_report.verified(rank, candidate, report))

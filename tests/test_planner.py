@@ -294,6 +294,10 @@ def test_cli_prints_the_ranked_table_and_the_best_overrides():
   assert overrides["--config.train.global_batch_size"] == "32" and overrides["--config.train.seq_len"] == "512"
   assert overrides["--config.model.max_seq_len"] == "512" and overrides["--config.optimizer.learning_rate"] == "0.002"
   assert best.count("--config.model.remat=") == 1 and "--config.mesh.preset=" in best
+  [processes] = [line for line in out.splitlines() if line.startswith("processes: ")]
+  pallas = "--config.parallel.impl=pallas" in best
+  assert processes.startswith("processes: planned with one per node; ")
+  assert ("train.sbatch and experiments.launch run one per node for it" in processes) == pallas
 
 
 def test_a_gpu_count_no_layout_is_valid_on_says_so():

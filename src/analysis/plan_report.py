@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshmoe.analysis import planner
 from meshmoe.config import Config, ConfigError
+from meshmoe.sharding.plan import process_layout as process_layout_of
 
 _GB = 1e9
 
@@ -49,6 +50,16 @@ def _row(rank, candidate: planner.Candidate, found: planner.Search) -> str:
   t = candidate.time
   return (f"{rank!s:>4s} {candidate.layout.describe()} {candidate.memory_bytes / _GB:6.2f} GB {t.step_s:8.4g} "
           f"{found.tokens_per_step / t.step_s:10.0f} {t.mfu:6.1%} {t.exposed_comm_s:9.3g}")
+
+
+def process_layout(layout: planner.Layout, config: Config) -> str:
+  """How many processes per node the layout was planned for (one: every device of a node in one process,
+  so the fused kernels run wherever their ring stays in a node) and what launching it needs."""
+  need, why = process_layout_of(layout.apply(config).parallel)
+  if need == "node":
+    return (f"processes: planned with one per node; {why}: experiments/slurm/train.sbatch and experiments.launch "
+            "run one per node for it")
+  return f"processes: planned with one per node; one per GPU runs the same plan ({why})"
 
 
 def own_layout(config: Config, found: planner.Search, gpus_per_node: int | None, efficiency: float) -> str:
