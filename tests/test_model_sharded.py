@@ -148,6 +148,25 @@ def test_folded_experts_match_single_device(sizes, preset, experts, width, impl,
                 expert_width_axes=width, parallel=ParallelConfig(impl=impl, kernel_backend="collectives"))
 
 
+@pytest.mark.slow
+def test_a_folding_that_places_like_a_preset_runs_bitwise_the_same():
+  """The experts folded over `data` on an 8 x 1 mesh hold the same experts on the same devices as `ep`'s own
+  placement over `expert` on 1 x 8 (the batch is over every axis either way): the same program over other
+  axis names, so the same losses and gradients bit for bit."""
+  def run(sizes, expert_axes):
+    config = small_config()
+    config.mesh = MeshConfig(**dict(zip(("data", "expert", "tensor", "sequence"), sizes)), preset="ep",
+                             expert_axes=expert_axes)
+    return _loss_and_grads(config, jax.devices())
+
+  own_loss, own = run((1, 8, 1, 1), "preset")
+  folded_loss, folded = run((8, 1, 1, 1), "data")
+  assert folded_loss == own_loss
+  assert folded.keys() == own.keys()
+  for path in own:
+    np.testing.assert_array_equal(folded[path], own[path], err_msg=str(path))
+
+
 # Context-parallel attention kinds other than the default all-gather, on layouts that split the sequence,
 # with the einsum blocks: the ring over all 8 devices (megascale 1x2x1x4), Ulysses on tp_sp (sequence only)
 # and on megascale with the heads also split over `tensor` (2x1x2x2). The ring on tp_sp 2x1x2x2 and Ulysses
