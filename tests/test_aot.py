@@ -59,6 +59,9 @@ def test_report_holds_the_contract_and_matches_the_cost_model(target):
     assert report["memory"]["fits"] is True and report["memory"]["device_bytes"] == 84942979072
   _check_against_cost_model(report)
   assert "memory verdict" in aot.format_table(report)
+  assert "(weights stored: preset), impl" in aot.format_table(report)
+  folded = {**report, "plan": {**report["plan"], "expert_axes": "data,expert"}}  # the header names a folding
+  assert "(weights stored: preset; experts over data,expert), impl" in aot.format_table(folded)
 
 
 def _cli(*args, env_flags: str = "", module: str = "experiments.aot") -> subprocess.CompletedProcess:

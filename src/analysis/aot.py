@@ -161,10 +161,13 @@ def format_table(report: dict[str, Any]) -> str:
   """The report as text: cost model beside compiled figures, and the verdict on memory."""
   c, mem, flops = report["config"], report["memory"], report["flops"]
   gb = lambda b: f"{b / 1e9:9.2f} GB"
+  plan = report.get("plan", {})  # MoE parallel folding, where the config sets one
+  folding = [f"{what} over {plan[key]}" for key, what in (("expert_axes", "experts"), ("expert_width_axes",
+             "expert width")) if plan.get(key, "preset") != "preset"]
   lines = [
       f"{c['devices']} x {c['target']} ({c['hosts']} host(s)), mesh "
       + " ".join(f"{a}={c['mesh'][a]}" for a in MESH_AXES) + f", preset {c['preset']} (weights stored: "
-      f"{c.get('weight_storage', 'preset')}), impl {c['impl']}, "
+      f"{c.get('weight_storage', 'preset')}{''.join('; ' + f for f in folding)}), impl {c['impl']}, "
       f"attention {c['attention']}, xla_flags {c['xla_flags']}, remat {c['remat']}, {c['dtype']}; "
       f"{_compiled_in(report)}",
       "",
