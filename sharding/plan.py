@@ -25,6 +25,9 @@ One function answers each question:
   It and the other choices that depend only on the devices and the shapes (`Hardware`, `grouped_gemm_for`,
   `attention_kernel`) are in hardware.py; the model's tensor-parallel blocks, which `build` walks, in
   projection_blocks.py.
+- Beside this file: plan_choices.py holds the plan's vocabulary (the tiers, the kernel backends, the
+  records of each choice) and `process_layout`; plan_predict.py walks a config's shapes through the
+  methods above for `build` (the predicted `ops`) and decides the gradient sums and the layer schedule.
 
 Implementation names, per op (each op module holds the table that maps them to code):
 - attention: "local" (the sequence is not split), "allgather", "ring" (the plain ring), "zigzag_ring"
@@ -49,7 +52,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -61,61 +63,18 @@ from meshmoe.pallas_kernels.allgather_matmul import api as allgather_matmul
 from meshmoe.pallas_kernels.matmul_reducescatter import api as matmul_reducescatter
 from meshmoe.pallas_kernels.moe_dispatch_gemm import api as moe_dispatch_gemm
 from meshmoe.pallas_kernels.moe_gemm_return import api as moe_gemm_return
-from meshmoe.sharding import attention_kernels, exchange_formats, gradient_sync, parallel, rules
+from meshmoe.sharding import attention_kernels, exchange_formats, gradient_sync, parallel, plan_predict, rules
 from meshmoe.sharding.context_parallel import QUERY_AXES, zigzag_order
-from meshmoe.sharding.grouped_gemm_kernels import GemmKernels
 from meshmoe.sharding.hardware import Hardware, attention_kernel, grouped_gemm, grouped_gemm_for
 from meshmoe.sharding.parallel import Axes
-from meshmoe.sharding.projection_blocks import attention_width, projection_blocks
+# The plan's vocabulary (plan_choices.py), importable from here too.
+from meshmoe.sharding.plan_choices import (FUSED_KERNEL_BACKENDS, ONE_PROCESS_PER_NODE, STREAM_TOKENS, TIERS,
+                                          ExpertChoice, ExpertLayout, OpChoice, Tier, describe_axes,
+                                          process_layout)
 from meshmoe.sharding.rules import Preset, logical_to_spec
 from meshmoe.sharding.shardings import named_shardings
 
-# The logical axes of the residual stream's tokens [B, S, ...], its last dimension left out: where the
-# parallel ops find each device's tokens.
-_STREAM_TOKENS = ("act_batch", "act_seq", None)
 
-
-@dataclasses.dataclass(frozen=True)
-class Tier:
-  """What a tier (`parallel.impl`) runs, op by op, before any fallback."""
-
-  ring_attention: str  # the implementation behind attention kind "ring"
-  gathered_projection: str  # a projection that gathers (scatters) the sequence over tensor-parallel axes
-  moe_pipeline: bool  # expert parallelism in `parallel.moe_chunks` pipelined chunks (else in one pass)
-  fused_kernels: bool  # meshmoe.pallas_kernels' fused kernels where they apply, this tier's rest elsewhere
-
-
-TIERS = {
-    "reference": Tier(ring_attention="ring", gathered_projection="collectives", moe_pipeline=False,
-                      fused_kernels=False),
-    "xla": Tier(ring_attention="zigzag_ring", gathered_projection="ring", moe_pipeline=True,
-                fused_kernels=False),
-    "pallas": Tier(ring_attention="zigzag_ring", gathered_projection="ring", moe_pipeline=True,
-                   fused_kernels=True),
-}
-
-# `parallel.kernel_backend` -> the backend of meshmoe.pallas_kernels that runs the fused kernels.
-# "auto": Mosaic GPU on Hopper, the op's unfused implementation elsewhere; "mosaic_gpu": Mosaic GPU, and a
-# ConfigError where a kernel cannot run; "collectives": every kernel's plain-collective version (its
-# reference.py), on any platform and shape, to check the tier's layouts.
-FUSED_KERNEL_BACKENDS = {"auto": "mosaic_gpu", "mosaic_gpu": "mosaic_gpu", "collectives": "collectives"}
-
-# What the launchers do about it (experiments/slurm/train.sbatch, experiments.launch: `process_layout`).
-ONE_PROCESS_PER_NODE = ("run one process per node (train.sbatch and experiments.launch do for parallel.impl="
-                        "'pallas'), with the ring's axes inside a node")
-
-
-def process_layout(parallel: ParallelConfig) -> tuple[str, str]:
-  """("node", why) where a run of these parallel options needs one process to drive every device of a node
-  (the tier's communicating Mosaic GPU kernels store into peers' memory, so every device of their rings
-  must be in one process; rings stay inside a node: sharding/mesh.py), else ("any", why not). From the
-  config alone, before any device is known: the launchers ask before they start the processes."""
-  if not TIERS[parallel.impl].fused_kernels:
-    return "any", f"parallel.impl={parallel.impl!r} runs no fused kernels"
-  if FUSED_KERNEL_BACKENDS[parallel.kernel_backend] != "mosaic_gpu":
-    return "any", f"parallel.kernel_backend={parallel.kernel_backend!r} runs the kernels as plain collectives"
-  return "node", (f"parallel.impl={parallel.impl!r}: its Mosaic GPU kernels store into peer GPUs' memory, so "
-                  "one process must drive every GPU of their rings")
 
 
 def _formats_unsupported_by_kernels(formats) -> str | None:
@@ -123,57 +82,6 @@ def _formats_unsupported_by_kernels(formats) -> str | None:
   if all(exchange_formats.is_plain(*pair) for pair in formats):
     return None
   return "the fused kernels exchange rows in the activation dtype, and a parallel.moe_*_dtype format is set"
-
-
-@dataclasses.dataclass(frozen=True)
-class OpChoice:
-  """How one op runs: a key of the op's implementation table, what it does, and for fused kernels their
-  backend; `fallback` says why the tier's first choice does not run (empty when it does)."""
-
-  implementation: str
-  detail: str = ""
-  kernel_backend: str = ""
-  fallback: str = ""
-  tiles: mosaic_tiles.Tiles = mosaic_tiles.DEFAULT_TILES  # fused kernels: their tiles (`parallel.kernel_tiles`)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertChoice(OpChoice):
-  """The routed experts' choice: besides OpChoice, how their unfused paths exchange and multiply."""
-
-  exchange: str = ""  # "ragged_all_to_all" (GPU) or "padded_all_to_all" (XLA:CPU has no ragged one)
-  grouped_gemm: str = ""  # "kernels", "ragged_dot" or "blocked" (sharding/grouped_ffn.py)
-  gemm_kernels: GemmKernels | None = None  # the three forms' kernels, for "kernels"
-  block_rows: int = 0  # rows per overflow tile of the blocked GEMM; 0: blocked_gemm.DEFAULT_TILE_ROWS
-  chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
-  # Wire formats (config.EXCHANGE_FORMATS) of the dispatch and of the combine's return exchange, each as
-  # (forward, backward): `parallel.moe_{dispatch,combine}_dtype` and `moe_exchange_grad_dtype`.
-  dispatch_formats: tuple[str, str] = ("auto", "auto")
-  combine_formats: tuple[str, str] = ("auto", "auto")
-  # The fused kernels' SwiGLU gradient: gate and up "recompute"d per tile or "keep"t from the forward
-  # (`parallel.moe_swiglu_gradient`).
-  swiglu_gradient: str = "recompute"
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertLayout:
-  """Where the routed experts' work lives on the mesh (expert_parallel.py)."""
-
-  token_spec: PartitionSpec  # the tokens [B, S, ...] as the residual stream holds them
-  gate_spec: PartitionSpec  # [E, D, F] inside the op (D whole)
-  down_spec: PartitionSpec  # [E, F, D] inside the op
-  # D split for storage only (FSDP, `mesh.weight_storage`) over axes that split the tokens: the op takes the
-  # weights so (`gate_shard_spec`, `down_shard_spec`) and all-gathers D over `weight_gather` itself
-  # (expert_parallel._gather_stored); () where there is nothing to gather.
-  gate_shard_spec: PartitionSpec
-  down_shard_spec: PartitionSpec
-  weight_gather: Axes
-  expert_axes: Axes  # split the experts: expert parallelism over their product, `ep`
-  width_axes: Axes  # split each expert's width (expert-tensor parallelism)
-  token_dim: int  # the token dimension (0 batch, 1 sequence) gathered over `gather`
-  gather: Axes  # width axes that also split the tokens: tokens gathered before, reduce-scattered after
-  reduce: Axes  # width axes that do not split the tokens: partial sums psum-ed after
-  ep: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +109,7 @@ class ParallelPlan:
     rules.check_divisibility(config, axis_sizes(mesh))
     m = config.mesh
     plan = cls.for_mesh(mesh, m.preset, config.parallel, m.weight_storage, m.expert_axes, m.expert_width_axes)
-    return dataclasses.replace(plan, ops=_predict(plan, config))
+    return dataclasses.replace(plan, ops=plan_predict.predict(plan, config))
 
   @classmethod
   def for_mesh(cls, mesh: Mesh, preset: str, parallel: ParallelConfig | None = None,
@@ -325,11 +233,11 @@ class ParallelPlan:
     sequence, over which project_in gathers it and project_out scatters it back."""
     specs = [self.weight_spec(names) for names in weights_logical]
     tp_axes = tuple(dict.fromkeys(a for spec in specs for a in parallel.all_axes(spec)))
-    seq_axes = parallel.dim_axes(self.activation_spec(_STREAM_TOKENS), 1)
+    seq_axes = parallel.dim_axes(self.activation_spec(STREAM_TOKENS), 1)
     return tp_axes, parallel.split_suffix(seq_axes, tp_axes, "tensor-parallel gather of the sequence")
 
   def expert_layout(self) -> ExpertLayout:
-    token_spec = self.activation_spec(_STREAM_TOKENS)
+    token_spec = self.activation_spec(STREAM_TOKENS)
     gate_spec = self.weight_spec(("exp", "embed", "exp_mlp"))
     down_spec = self.weight_spec(("exp", "exp_mlp", "embed"))
     # The storage axes the op gathers over: those that split the tokens (storage over other axes, if any,
@@ -376,7 +284,7 @@ class ParallelPlan:
     else:
       kind = self.parallel.attention
       implementation = {"allgather": "allgather", "ring": self.tier.ring_attention, "ulysses": "ulysses"}[kind]
-      detail = f"sequence over {_describe_axes(self, axes)}"
+      detail = f"sequence over {describe_axes(self, axes)}"
     kernel, fallback = attention_kernel(self.parallel.attention_kernel, self.hardware)
     if kernel and dtype is None:
       kernel = ""
@@ -394,7 +302,7 @@ class ParallelPlan:
       return OpChoice("local")
     return self._gathered_projection(
         "project_in (all-gather GEMM)", allgather_matmul.unsupported(rows, d, width, dtype, self.kernel_tiles),
-        f"sequence all-gathered over {_describe_axes(self, gather)}", gather)
+        f"sequence all-gathered over {describe_axes(self, gather)}", gather)
 
   def project_out(self, scatter: Axes, rows: int, contraction: int, d: int, dtype) -> OpChoice:
     """How a row-parallel projection of [rows, contraction] blocks @ [contraction, D] runs (rows: of one
@@ -404,7 +312,7 @@ class ParallelPlan:
     return self._gathered_projection(
         "project_out (GEMM reduce-scatter)",
         matmul_reducescatter.unsupported(rows, contraction, d, dtype, self.kernel_tiles),
-        f"sequence reduce-scattered over {_describe_axes(self, scatter)}", scatter)
+        f"sequence reduce-scattered over {describe_axes(self, scatter)}", scatter)
 
   def expert_ffn(self, ep: int, d: int, f: int, dtype) -> ExpertChoice:
     """How the routed experts run for tokens of width d, an expert width of f per device, over ep devices."""
@@ -421,7 +329,7 @@ class ParallelPlan:
                           **gemm)
     formats = self._exchange_formats()
     expert_axes = self.expert_layout().expert_axes
-    over = _describe_axes(self, expert_axes)  # the token exchange's devices
+    over = describe_axes(self, expert_axes)  # the token exchange's devices
     fused_fallback = ""
     if self.tier.fused_kernels and (fused_fallback := _formats_unsupported_by_kernels(formats)) is None:
       tiles = self.kernel_tiles
@@ -491,7 +399,7 @@ class ParallelPlan:
       reason = ("Mosaic GPU's communicating kernels need a mesh whose device ids are in row-major order, and "
                 "this one places tensor inside sequence (both split)")
     elif (processes := self.processes_per_ring(axes)) > 1:
-      reason = (f"its ring over {_describe_axes(self, axes)} spans {processes} processes "
+      reason = (f"its ring over {describe_axes(self, axes)} spans {processes} processes "
                 f"({self.devices_per_process} device(s) each), and Mosaic GPU's communicating kernels need one "
                 "process to drive every GPU of a ring (they store into peers' memory; jax has no NVSHMEM path): "
                 f"{ONE_PROCESS_PER_NODE}")
@@ -582,86 +490,3 @@ def _kernel_sources(choice: OpChoice):
     return []
   return [(form, candidate, source) for form, candidate, source in
           zip(("forward", "input gradient", "weight gradient"), kernels.candidates(), kernels.sources)]
-
-
-def _describe_axes(plan: ParallelPlan, axes: Axes) -> str:
-  n = plan.axis_size(axes)
-  return " x ".join(axes) + f" ({n} device{'s' if n != 1 else ''})"
-
-
-def _predict(plan: ParallelPlan, config: Config) -> dict[str, OpChoice]:
-  """Every op's choice for the shapes `config` gives each device (the table, plan.json, the cost model)."""
-  m, moe, t = config.model, config.model.moe, config.train
-  dtype = jnp.dtype(m.dtype)
-  token_spec = plan.activation_spec(_STREAM_TOKENS)
-  rows = (t.global_batch_size // t.grad_accum_steps // plan.axis_size(parallel.dim_axes(token_spec, 0))
-          * (t.seq_len // plan.axis_size(parallel.dim_axes(token_spec, 1))))
-  ops: dict[str, OpChoice] = {"attention": plan.attention(dtype, attention_width(m))}
-  for block in projection_blocks(config):
-    tp_axes, gather = plan.projection_axes([names for names, _, _ in block.weights_in])
-    local = lambda names, width: width // plan.axis_size(parallel.all_axes(plan.weight_spec(names)))
-    in_width = sum(local(names, width) for names, width, _ in block.weights_in)
-    ops[f"{block.name}.project_in"] = plan.project_in(gather, rows, block.gathered, in_width, dtype)
-    directions = [(f"{block.name}.project_in", "input gradients")]
-    if block.weight_out:
-      ops[f"{block.name}.project_out"] = plan.project_out(gather, rows, local(*block.weight_out), m.embed_dim,
-                                                          dtype)
-      directions.append((f"{block.name}.project_out", "partial sums"))
-    replicated = parallel.without(tp_axes, gather)
-    for name, what in directions:
-      if ops[name].implementation == "local":  # say what the matmuls need besides themselves
-        reduced = plan.axis_size(replicated) > 1
-        detail = f"{what} all-reduced over {_describe_axes(plan, replicated)}" if reduced else "no communication"
-        ops[name] = dataclasses.replace(ops[name], detail=detail)
-  if m.num_layers > m.num_dense_layers:
-    lay = plan.expert_layout()
-    width = moe.expert_mlp_dim // plan.axis_size(lay.width_axes)
-    ops["moe"] = plan.expert_ffn(lay.ep, m.embed_dim, width, dtype)
-    ops["layer"] = _layer_schedule(plan, config, ops["moe"])
-  ops["gradients"] = _gradient_sync(plan, config)
-  return ops
-
-
-def _gradient_sync(plan: ParallelPlan, config: Config) -> OpChoice:
-  """How gradients are summed over the replicas (ParallelConfig.gradient_compression, gradient_sync.py)."""
-  p = plan.parallel
-  exact = ("all-reduce over the devices that hold different tokens (in the ops' backward passes; GSPMD's "
-           "outside them)")
-  if p.gradient_compression == "none":
-    return OpChoice("xla", exact)
-  m = config.model
-  axes = plan.gradient_replica_axes
-  if m.num_layers == m.num_dense_layers:
-    problem = "the model has no MoE layers, whose experts' gradients it compresses"
-  elif plan.axis_size(axes) == 1:
-    problem = (f"under preset {plan.preset!r} on this mesh every device that holds an expert's weights computes "
-               "the same tokens' share of its gradient or holds other experts: there are no replicas to sum over")
-  elif set(parallel.all_axes(plan.param_spec(("exp", "embed", "exp_mlp")))) & set(axes):
-    problem = (f"preset {plan.preset!r} stores the experts split over {' x '.join(axes)} (FSDP), so their "
-               "gradients are reduce-scattered there, not summed")
-  else:
-    feedback = " with error feedback" if plan.gradient_feedback else ""
-    return OpChoice(p.gradient_compression, (
-        f"the routed experts' gradients summed over {_describe_axes(plan, axes)} in {p.gradient_compression}"
-        f"{feedback}; the other weights': {exact}"))
-  raise ConfigError("parallel.gradient_compression", p.gradient_compression,
-                    f"{problem}; use 'none'")
-
-
-def _layer_schedule(plan: ParallelPlan, config: Config, moe: OpChoice) -> OpChoice:
-  """How MoE layers order attention and the MoE (ParallelConfig.layer_schedule, models/decoder.py)."""
-  if plan.parallel.layer_schedule == "sequential":
-    return OpChoice("sequential", "attention, then the MoE")
-  t = config.train
-  batch_axes = parallel.dim_axes(plan.activation_spec(_STREAM_TOKENS), 0)
-  rows = t.global_batch_size // t.grad_accum_steps // plan.axis_size(batch_axes)
-  if rows % 2:
-    raise ConfigError("parallel.layer_schedule", "two_halves", (
-        f"it cuts each device's rows (sequences) of a micro-batch in two, and here each device has {rows} "
-        f"(train.global_batch_size={t.global_batch_size} / train.grad_accum_steps={t.grad_accum_steps} / "
-        f"{plan.axis_size(batch_axes)} batch shards): use an even number per device, or 'sequential'"))
-  detail = ("each device's rows in two halves whose attention and MoE alternate, one half's token exchanges "
-            "beside the other's compute")
-  if moe.implementation == "local":
-    detail += "; here the MoE exchanges no tokens, so there is nothing to hide"
-  return OpChoice("two_halves", detail)
