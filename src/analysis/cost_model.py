@@ -142,10 +142,16 @@ def expert_flops_scale(config: Config, plan: ParallelPlan) -> float:
   """The routed experts' executed FLOPs per forward pass's: forward, input and weight gradients, the forward
   again under remat ("dots" too: its per-tile expert GEMMs have batch dimensions), and the SwiGLU gradient
   kernel's recomputed gate and up (2 of the 3 GEMMs)."""
-  scale = 3.0 + (config.model.remat != "none")
+  scale = _expert_passes(config.model.remat)
   if cost_kernels.swiglu_recomputed(plan.ops.get("moe")):
     scale += 2 / 3
   return scale
+
+
+def _expert_passes(remat: str) -> float:
+  """Passes over the routed experts' GEMMs per step: forward, input and weight gradients, and the forward
+  again under remat ("dots" too: the expert GEMMs are not the dots it keeps)."""
+  return 3.0 + (remat != "none")
 
 
 # Key/value rows per block of tokamax's flash attention kernels (the unit of their causal skipping).
@@ -245,8 +251,7 @@ def useful_expert_flops_per_device(config: Config, plan: ParallelPlan) -> float:
   """The routed experts' useful FLOPs on one device (routed rows only, balanced), forward + backward and
   the forward again where remat recomputes them (kernels are: `executed_flops_per_device`)."""
   m, t = config.model, config.train
-  scale = {"none": 3.0, "full": 4.0, "dots": 4.0}[m.remat]
-  return forward_flops(m, t.global_batch_size, t.seq_len).routed_experts * scale / plan.mesh.size
+  return forward_flops(m, t.global_batch_size, t.seq_len).routed_experts * _expert_passes(m.remat) / plan.mesh.size
 
 
 @dataclasses.dataclass(frozen=True)
