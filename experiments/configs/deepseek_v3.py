@@ -44,7 +44,8 @@ Choices:
   reference tier in the model; it overlaps 77% of the compiled collective bytes against 35%) and 960
   micro-batches of 16 sequences. Float32 parameter + gradient (twice, with the accumulated sum) + two Adam
   moments are 20 bytes per parameter, 13.4 TB in all: 52 GB per device at 256. At 128 H100s no layout fits.
-  The planner predicts 7.5% MFU at its stated 50% GEMM efficiency (828 s per step; 3.6% for the layout
+  The planner predicts 7.5% MFU (828 s per step, modelled: the routed experts' GEMMs at the kernel table's
+  rates measured at this expert shape, the rest at its stated 50% GEMM efficiency; 3.6% for the layout
   before folding, whose fused MoE kernels cannot run now that the plan knows their ring spans 2 nodes):
   per micro-batch, the attention and dense weights are gathered again and every gradient summed (about
   510 s of the step), and the 256-way token exchange takes 190 s. Both go once per step with the
