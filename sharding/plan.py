@@ -100,6 +100,8 @@ class ParallelPlan:
   # `mesh.expert_axes` and `mesh.expert_width_axes`, applied to `rules` (MoE parallel folding: rules.fold_experts)
   expert_axes: str = "preset"
   expert_width_axes: str = "preset"
+  # `mesh.optimizer_storage`, applied to `rules` (rules.with_optimizer_storage): the distributed optimizer
+  optimizer_storage: str = "weights"
   ops: dict[str, OpChoice] = dataclasses.field(default_factory=dict)  # predicted from the config's shapes
 
   @classmethod
@@ -108,22 +110,23 @@ class ParallelPlan:
     over mesh axes whose product does not divide it."""
     rules.check_divisibility(config, axis_sizes(mesh))
     m = config.mesh
-    plan = cls.for_mesh(mesh, m.preset, config.parallel, m.weight_storage, m.expert_axes, m.expert_width_axes)
+    plan = cls.for_mesh(mesh, m.preset, config.parallel, m.weight_storage, m.expert_axes, m.expert_width_axes,
+                        m.optimizer_storage)
     return dataclasses.replace(plan, ops=plan_predict.predict(plan, config))
 
   @classmethod
   def for_mesh(cls, mesh: Mesh, preset: str, parallel: ParallelConfig | None = None,
                weight_storage: str = "preset", expert_axes: str = "preset",
-               expert_width_axes: str = "preset") -> ParallelPlan:
+               expert_width_axes: str = "preset", optimizer_storage: str = "weights") -> ParallelPlan:
     """A plan without a model config: for calling parallel ops directly (tests, notebooks). Nothing is
     checked against model shapes and `ops` is empty; the ops decide with the shapes they trace."""
     parallel = (parallel or ParallelConfig()).validate()
-    placement = rules.placement(preset, weight_storage, expert_axes, expert_width_axes)
+    placement = rules.placement(preset, weight_storage, expert_axes, expert_width_axes, optimizer_storage)
     rules.check_expert_axes(placement, axis_sizes(mesh), expert_axes)
-    check_weight_storage(weight_storage, parallel)
+    check_weight_storage(weight_storage, parallel, optimizer_storage)
     hardware = Hardware.of(mesh.devices.flat[0])
     plan = cls(mesh, preset, placement, parallel, hardware, grouped_gemm(parallel.grouped_gemm, hardware),
-               parallel.gemm_block_rows, weight_storage, expert_axes, expert_width_axes)
+               parallel.gemm_block_rows, weight_storage, expert_axes, expert_width_axes, optimizer_storage)
     if expert_width_axes != "preset":
       try:
         plan.expert_layout()
@@ -210,8 +213,19 @@ class ParallelPlan:
   def activation_sharding(self, logical: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(self.mesh, self.activation_spec(logical))
 
+  @property
+  def distributed_optimizer(self) -> bool:
+    """Whether the train state's float32 parameters are a master copy apart from the weights the model
+    computes with (`mesh.optimizer_storage`; training/master_weights.py)."""
+    return self.optimizer_storage != "weights"
+
   def param_shardings(self, state: Any) -> Any:
-    """NamedSharding of every variable of `state` (an nnx.State, maybe abstract) under the parameter rules."""
+    """NamedSharding of every variable of `state` (an nnx.State, maybe abstract) as the train state stores
+    its float32 parameters: under the parameter rules, or the optimizer's under a distributed optimizer."""
+    return self.optimizer_shardings(state) if self.distributed_optimizer else self.weight_shardings(state)
+
+  def weight_shardings(self, state: Any) -> Any:
+    """NamedSharding of every variable of `state` as the model computes with it: the parameter rules."""
     return named_shardings(state, self.mesh, self.rules.params)
 
   def optimizer_shardings(self, state: Any) -> Any:
@@ -421,7 +435,8 @@ class ParallelPlan:
   def to_json(self) -> dict[str, Any]:
     return {
         "preset": self.preset, "weight_storage": self.weight_storage, "expert_axes": self.expert_axes,
-        "expert_width_axes": self.expert_width_axes, "mesh": dict(self.mesh.shape),
+        "expert_width_axes": self.expert_width_axes, "optimizer_storage": self.optimizer_storage,
+        "mesh": dict(self.mesh.shape),
         "processes": self.process_count, "devices_per_process": self.devices_per_process,
         "hardware": dataclasses.asdict(self.hardware),
         "parallel": dataclasses.asdict(self.parallel), "grouped_gemm": self.grouped_gemm,
@@ -432,7 +447,9 @@ class ParallelPlan:
   def table(self) -> str:
     """A short table of the plan: one line per op, then the fallbacks with their reasons."""
     mesh = " ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
-    placement = [f"weights stored split over {self._storage_axes()}"] if self.weight_storage != "preset" else []
+    placement = [f"weights stored split over {_in_words(self.weight_storage)}"] if self.weight_storage != "preset" else []
+    if self.distributed_optimizer:
+      placement.append(f"float32 master weights and optimizer state split over {_in_words(self.optimizer_storage)}")
     if (self.expert_axes, self.expert_width_axes) != ("preset", "preset"):
       lay = self.expert_layout()
       width = f", their width over {' x '.join(lay.width_axes)}" if lay.width_axes else ", each whole"
@@ -454,10 +471,6 @@ class ParallelPlan:
       if choice.fallback:
         lines.append(f"  {name}: not the {self.parallel.impl} tier's first choice: {choice.fallback}")
     return "\n".join(lines)
-
-  def _storage_axes(self) -> str:
-    """What `weight_storage` adds, in words: "data" or "every axis"."""
-    return "every axis" if self.weight_storage == "all" else " x ".join(rules.STORAGE_AXES[self.weight_storage])
 
   def write_json(self, path) -> None:
     with open(path, "w") as f:
@@ -490,3 +503,8 @@ def _kernel_sources(choice: OpChoice):
     return []
   return [(form, candidate, source) for form, candidate, source in
           zip(("forward", "input gradient", "weight gradient"), kernels.candidates(), kernels.sources)]
+
+
+def _in_words(storage: str) -> str:
+  """What a storage choice (`weight_storage`, `optimizer_storage`) adds, in words: "data" or "every axis"."""
+  return "every axis" if storage == "all" else " x ".join(rules.STORAGE_AXES[storage])

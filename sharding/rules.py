@@ -34,6 +34,11 @@ where it forms one): the `fsdp` preset's mechanism, which "all" applied to `dp` 
 its experts itself (expert_parallel._gather_stored). The optimizer rules get the same axes, so the optimizer
 state is never less split than the parameters.
 
+Optimizer storage (`mesh.optimizer_storage`, `with_optimizer_storage`; the distributed optimizer): the
+optimizer rules alone get `data` (or every axis) appended to `embed`. The train state's float32 parameters
+are then a master copy placed by the optimizer rules (ParallelPlan.param_shardings), while the model computes
+with a copy in its compute dtype placed by the parameter rules (ParallelPlan.weight_shardings).
+
 MoE parallel folding (`mesh.expert_axes`, `mesh.expert_width_axes`, `fold_experts`; Megatron-Core's name):
 the routed experts' rules (`exp`, `exp_mlp` and their activations) can be set apart from the preset's, so
 that the MoE layers lay their experts over mesh axes that attention and the dense layers use otherwise:
@@ -52,7 +57,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from meshmoe.config import Config, ConfigError, mesh_axes_choice
+from meshmoe.config import OPTIMIZER_STORAGES, Config, ConfigError, mesh_axes_choice
 
 ALL_AXES = ("data", "expert", "tensor", "sequence")
 
@@ -125,15 +130,16 @@ STORAGE_AXES: dict[str, tuple[str, ...]] = {"preset": (), "data": ("data",), "al
 
 
 def placement(preset: str, weight_storage: str = "preset", expert_axes: str = "preset",
-              expert_width_axes: str = "preset") -> Preset:
-  """The rules of a run: the preset with its experts folded (`fold_experts`) and its weights stored
-  (`with_storage`) as the mesh config's fields say."""
-  return with_storage(fold_experts(get_preset(preset), expert_axes, expert_width_axes), weight_storage)
+              expert_width_axes: str = "preset", optimizer_storage: str = "weights") -> Preset:
+  """The rules of a run: the preset with its experts folded (`fold_experts`), its weights stored
+  (`with_storage`) and its optimizer state stored (`with_optimizer_storage`) as the mesh config's fields say."""
+  folded = fold_experts(get_preset(preset), expert_axes, expert_width_axes)
+  return with_optimizer_storage(with_storage(folded, weight_storage), optimizer_storage)
 
 
 def placement_of(config: Config) -> Preset:
   m = config.mesh
-  return placement(m.preset, m.weight_storage, m.expert_axes, m.expert_width_axes)
+  return placement(m.preset, m.weight_storage, m.expert_axes, m.expert_width_axes, m.optimizer_storage)
 
 
 def fold_experts(preset: Preset, expert_axes: str = "preset", expert_width_axes: str = "preset") -> Preset:
@@ -199,6 +205,19 @@ def with_storage(preset: Preset, weight_storage: str) -> Preset:
 
   return dataclasses.replace(preset, params=split(preset.params),
                              optimizer=None if preset.optimizer is None else split(preset.optimizer))
+
+
+def with_optimizer_storage(preset: Preset, optimizer_storage: str) -> Preset:
+  """`preset` with its optimizer state (the distributed optimizer's float32 master weights and moments)
+  split further as `optimizer_storage` says: its storage axes appended to the optimizer rules' `embed`
+  (MeshConfig.optimizer_storage; "weights" leaves the preset as it is)."""
+  if optimizer_storage == "weights":
+    return preset
+  if optimizer_storage not in OPTIMIZER_STORAGES:
+    raise ConfigError("mesh.optimizer_storage", optimizer_storage, "one of " + ", ".join(map(repr, OPTIMIZER_STORAGES)))
+  table = preset.optimizer_rules()
+  embed = tuple(dict.fromkeys((*table.get("embed", ()), *STORAGE_AXES[optimizer_storage])))
+  return dataclasses.replace(preset, optimizer={**table, "embed": embed})
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
@@ -285,8 +304,10 @@ def check_divisibility(config: Config, mesh_sizes: Mapping[str, int]) -> None:
   need = (f"a multiple of {parts}" if size == value else
           f"a value that makes the dimension it sets (now {size}) a multiple of {parts}")
   what = _DESCRIPTION.get(name) or _DESCRIPTION.get(name.removeprefix("act_"), name)
-  changed = [f"mesh.{f}={getattr(config.mesh, f)!r}" for f in ("weight_storage", "expert_axes", "expert_width_axes")
-             if getattr(config.mesh, f) != "preset"]
+  defaults = {"weight_storage": "preset", "expert_axes": "preset", "expert_width_axes": "preset",
+              "optimizer_storage": "weights"}
+  changed = [f"mesh.{f}={getattr(config.mesh, f)!r}" for f, default in defaults.items()
+             if getattr(config.mesh, f) != default]
   who = f"preset {config.mesh.preset!r}" + (f" with {' and '.join(changed)}" if changed else "")
   raise ConfigError(field, value, f"{need}: {who} splits {what} over mesh axes {split}")
 

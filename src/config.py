@@ -25,9 +25,9 @@ from meshmoe.config_model import (ATTENTION_TYPES, DTYPES, REMAT_POLICIES, SCORE
 from meshmoe.config_parallel import (ATTENTION_KERNELS, ATTENTION_KINDS, EXCHANGE_FORMAT_FIELDS, EXCHANGE_FORMATS,
                                      GEMM_FORMS, GEMM_IMPLEMENTATIONS, GRADIENT_COMPRESSIONS, GROUPED_GEMMS, IMPLS,
                                      KERNEL_BACKENDS, KERNEL_TILES, LAYER_SCHEDULES, MESH_AXES, PRESETS,
-                                     SWIGLU_GRADIENTS, WEIGHT_STORAGES, XLA_FLAG_PRESETS, MeshConfig, ParallelConfig,
-                                     check_weight_storage, gemm_kernel_overrides, mesh_axes_choice, resolve_mesh_sizes,
-                                     validate_mesh)
+                                     OPTIMIZER_STORAGES, SWIGLU_GRADIENTS, WEIGHT_STORAGES, XLA_FLAG_PRESETS,
+                                     MeshConfig, ParallelConfig, check_weight_storage, gemm_kernel_overrides,
+                                     mesh_axes_choice, resolve_mesh_sizes, validate_mesh)
 from meshmoe.config_run import (DATA_SOURCES, NAN_POLICIES, CheckpointConfig, DataConfig, OptimizerConfig,
                                 ResilienceConfig, SampleConfig, TrainConfig, mixture_entries, profile_range,
                                 validate_checkpoint_and_sample, validate_data, validate_optimizer,
@@ -42,8 +42,8 @@ __all__ = [
     "mesh_axes_choice",
     "mixture_entries", "profile_range",
     # The allowed values of the choice fields.
-    "MESH_AXES", "PRESETS", "WEIGHT_STORAGES", "IMPLS", "KERNEL_BACKENDS", "KERNEL_TILES", "ATTENTION_KINDS",
-    "ATTENTION_KERNELS", "XLA_FLAG_PRESETS", "GROUPED_GEMMS", "GEMM_FORMS", "GEMM_IMPLEMENTATIONS",
+    "MESH_AXES", "PRESETS", "WEIGHT_STORAGES", "OPTIMIZER_STORAGES", "IMPLS", "KERNEL_BACKENDS", "KERNEL_TILES",
+    "ATTENTION_KINDS", "ATTENTION_KERNELS", "XLA_FLAG_PRESETS", "GROUPED_GEMMS", "GEMM_FORMS", "GEMM_IMPLEMENTATIONS",
     "EXCHANGE_FORMATS", "EXCHANGE_FORMAT_FIELDS", "LAYER_SCHEDULES", "SWIGLU_GRADIENTS", "GRADIENT_COMPRESSIONS",
     "DTYPES", "SCORE_FNS", "ATTENTION_TYPES", "REMAT_POLICIES", "DATA_SOURCES", "NAN_POLICIES",
 ]
@@ -72,7 +72,7 @@ class Config:
     validate_resilience(self.resilience)
     validate_mesh(self.mesh)
     self.parallel.validate()
-    check_weight_storage(self.mesh.weight_storage, self.parallel)
+    check_weight_storage(self.mesh.weight_storage, self.parallel, self.mesh.optimizer_storage)
     if num_devices is not None:
       resolve_mesh_sizes(self.mesh, num_devices)
     return self

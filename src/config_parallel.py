@@ -13,6 +13,8 @@ MESH_AXES = ("data", "expert", "tensor", "sequence")
 PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
 # Where weights are stored beside the preset's placement (MeshConfig.weight_storage, sharding/rules.py).
 WEIGHT_STORAGES = ("preset", "data", "all")
+# Where the optimizer keeps its state (MeshConfig.optimizer_storage, sharding/rules.py, `with_optimizer_storage`).
+OPTIMIZER_STORAGES = ("weights", "data", "all")
 # Parallel-op tiers: what each runs is meshmoe.sharding.plan.TIERS.
 IMPLS = ("reference", "xla", "pallas")
 KERNEL_BACKENDS = ("auto", "mosaic_gpu", "collectives")
@@ -68,6 +70,16 @@ class MeshConfig:
   # The mesh axes that split each routed expert's width (expert-tensor parallelism): "preset" (the preset's
   # own, less any axis `expert_axes` takes), "none" (each expert's width whole) or mesh axes joined by commas.
   expert_width_axes: str = "preset"
+  # The distributed optimizer (ZeRO-1; Megatron-Core's name; training/master_weights.py): "weights" keeps the
+  # float32 weights, their gradients and the Adam moments where `weight_storage` puts the weights (the float32
+  # weights are what the model computes with, cast in each layer). "data" or "all" keeps a float32 master copy
+  # of the weights and the moments split further, over `data` or over every axis (their `embed` dimension),
+  # and the model computes with a copy of the weights in its compute dtype, placed as `weight_storage` says
+  # and made once per step from the master (an all-gather per step, not per micro-batch). Each micro-batch's
+  # gradient is summed into the master's slices of a float32 accumulator (a reduce-scatter on GPUs, where
+  # "weights" all-reduces it). Bytes per parameter: 16 (float32 weights, gradient, two moments) become 2
+  # (bfloat16 weights) + 16 / N (master, gradient and moments over N devices).
+  optimizer_storage: str = "weights"
 
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -217,6 +229,7 @@ def validate_mesh(mesh: MeshConfig) -> None:
     raise ConfigError("mesh", _describe(mesh.sizes()), "at most one axis may be -1")
   check_choice("mesh.preset", mesh.preset, PRESETS)
   check_choice("mesh.weight_storage", mesh.weight_storage, WEIGHT_STORAGES)
+  check_choice("mesh.optimizer_storage", mesh.optimizer_storage, OPTIMIZER_STORAGES)
   experts = mesh_axes_choice("mesh.expert_axes", mesh.expert_axes)
   width = mesh_axes_choice("mesh.expert_width_axes", mesh.expert_width_axes)
   if experts is not None and width is not None and (both := [a for a in experts if a in width]):
@@ -240,15 +253,20 @@ def mesh_axes_choice(field: str, value: str) -> tuple[str, ...] | None:
   return axes
 
 
-def check_weight_storage(weight_storage: str, parallel: ParallelConfig) -> None:
-  """What `mesh.weight_storage` rules out among the parallel options (Config.validate and the parallel plan
-  check it): a compressed gradient sum runs over replicas that each hold whole expert weights
-  (sharding/gradient_sync.py); split storage reduce-scatters that gradient instead."""
+def check_weight_storage(weight_storage: str, parallel: ParallelConfig, optimizer_storage: str = "weights") -> None:
+  """What `mesh.weight_storage` and `mesh.optimizer_storage` rule out among the parallel options
+  (Config.validate and the parallel plan check it): a compressed gradient sum runs over replicas that each
+  hold whole float32 expert weights (sharding/gradient_sync.py, its error feedback a copy of them); split
+  storage reduce-scatters that gradient instead, and a distributed optimizer sums it once per step."""
   if weight_storage != "preset" and parallel.gradient_compression != "none":
     raise ConfigError("parallel.gradient_compression", parallel.gradient_compression, (
         f"'none' with mesh.weight_storage={weight_storage!r}: the compressed sum runs over replicas that each "
         "hold whole expert weights, and split storage reduce-scatters their gradient instead (or "
         "mesh.weight_storage='preset')"))
+  if optimizer_storage != "weights" and parallel.gradient_compression != "none":
+    raise ConfigError("parallel.gradient_compression", parallel.gradient_compression, (
+        f"'none' with mesh.optimizer_storage={optimizer_storage!r}: the distributed optimizer sums the "
+        "gradients into its master weights' slices in float32 (or mesh.optimizer_storage='weights')"))
 
 
 def gemm_kernel_overrides(text: str) -> dict[str, str]:

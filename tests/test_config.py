@@ -306,6 +306,7 @@ def test_resolve_mesh_sizes_validates_the_axes():
 def test_config_and_rules_agree_on_presets():
   assert config_lib.PRESETS == tuple(rules.PRESETS)
   assert config_lib.WEIGHT_STORAGES == tuple(rules.STORAGE_AXES)
+  assert config_lib.OPTIMIZER_STORAGES == ("weights", *(s for s in rules.STORAGE_AXES if s != "preset"))
   assert config_lib.MESH_AXES == rules.ALL_AXES
 
 

@@ -78,6 +78,7 @@ NON_NEGATIVE_FLOATS = ["model.yarn_mscale", "model.yarn_mscale_all_dim", "model.
 CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
            "model.moe.score_fn": config_lib.SCORE_FNS, "parallel.grouped_gemm": config_lib.GROUPED_GEMMS,
            "mesh.preset": config_lib.PRESETS, "mesh.weight_storage": config_lib.WEIGHT_STORAGES,
+           "mesh.optimizer_storage": config_lib.OPTIMIZER_STORAGES,
            "parallel.impl": config_lib.IMPLS,
            "parallel.kernel_backend": config_lib.KERNEL_BACKENDS,
            "parallel.kernel_tiles": config_lib.KERNEL_TILES,

@@ -17,7 +17,7 @@ import pytest
 from experiments.configs import tiny_moe
 from meshmoe.analysis import cost_collectives, cost_model, deviceless, hlo_collectives, hlo_flops
 from meshmoe.config import MeshConfig, ParallelConfig
-from meshmoe.training import train_step
+from meshmoe.training import master_weights, train_step
 from tests.model_steps import plan_for
 
 # One compile of the train step per case (10-60 s on 2 cores), so each case must add coverage no other case has.
@@ -106,6 +106,8 @@ def test_cost_model_matches_compiled_step_with_latent_attention(sizes, preset, a
 # - experts: MoE parallel folding (mesh.expert_axes): the token exchange over the folded axes, the experts
 #   whole (no expert-width gather of the sequence under tp_sp, nothing gathered for storage when the experts
 #   take every token axis).
+# - optimizer: the distributed optimizer (mesh.optimizer_storage): each micro-batch's gradient reduce-scattered
+#   into the optimizer's slices instead of all-reduced, the weights gathered from the master once per step.
 FEATURES = [  # (data, expert, tensor, sequence), preset, tier, remat, features
     ((2, 2, 1, 2), "megascale", "xla", "none",
      dict(formats=("float8_e4m3fn", "bfloat16", "float8_e4m3fn"), two_halves=True, compression="bfloat16")),
@@ -119,6 +121,7 @@ FEATURES = [  # (data, expert, tensor, sequence), preset, tier, remat, features
     ((2, 2, 1, 2), "megascale", "reference", "none", dict(storage="data", accumulation=True)),
     ((2, 2, 2, 1), "tp_sp", "xla", "none", dict(experts="expert,tensor")),
     ((2, 4, 1, 1), "ep", "reference", "full", dict(experts="data,expert", storage="all", accumulation=True)),
+    ((2, 2, 1, 2), "megascale", "xla", "none", dict(optimizer="all", accumulation=True)),
 ]
 
 
@@ -139,6 +142,7 @@ def test_cost_model_matches_compiled_step_with_features(sizes, preset, impl, rem
   p.gradient_compression = features.get("compression", "none")
   config.mesh.weight_storage = features.get("storage", "preset")
   config.mesh.expert_axes = features.get("experts", "preset")
+  config.mesh.optimizer_storage = features.get("optimizer", "weights")
   if features.get("accumulation"):
     config.train.global_batch_size, config.train.grad_accum_steps = 32, 2
   _check_against_compiled_step(config.validate(8))
@@ -195,6 +199,23 @@ def test_parameter_memory_is_exact_with_weight_storage(sizes, preset, storage, e
   memory = cost_model.step_cost(config, plan).memory
   assert memory.params == _bytes_on_first_device(state.params)
   assert memory.optimizer == _bytes_on_first_device(_moments(state))
+
+
+def test_parameter_memory_is_exact_with_a_distributed_optimizer():
+  """Under mesh.optimizer_storage the modelled optimizer bytes are the float32 master weights and both
+  moments, as the arrays hold them, and the modelled parameter bytes are the weights the model computes with
+  (bfloat16 matrices; float32 norms, router and tables) where the parameter rules put them."""
+  config = _config((2, 2, 2, 1), "tp_sp", "allgather", "none")
+  config.mesh.optimizer_storage, config.model.dtype = "data", "bfloat16"
+  plan = plan_for(config.validate(8))
+  _, state = train_step.create(config, plan)
+  memory = cost_model.step_cost(config, plan).memory
+  assert memory.optimizer == _bytes_on_first_device(state.params) + _bytes_on_first_device(_moments(state))
+  dtypes = master_weights.compute_dtypes(state.params, config.model.dtype)
+  shardings = plan.weight_shardings(state.params)
+  resident = jax.jit(lambda p: master_weights.resident(p, dtypes, shardings))(state.params)
+  assert memory.params == _bytes_on_first_device(resident)
+  assert memory.params < _bytes_on_first_device(state.params) * 2  # bfloat16, and not split over data
 
 
 def _bytes_on_first_device(tree) -> int:

@@ -164,6 +164,8 @@ def format_table(report: dict[str, Any]) -> str:
   plan = report.get("plan", {})  # MoE parallel folding, where the config sets one
   folding = [f"{what} over {plan[key]}" for key, what in (("expert_axes", "experts"), ("expert_width_axes",
              "expert width")) if plan.get(key, "preset") != "preset"]
+  if plan.get("optimizer_storage", "weights") != "weights":
+    folding.append(f"float32 master and optimizer state over {plan['optimizer_storage']}")
   lines = [
       f"{c['devices']} x {c['target']} ({c['hosts']} host(s)), mesh "
       + " ".join(f"{a}={c['mesh'][a]}" for a in MESH_AXES) + f", preset {c['preset']} (weights stored: "

@@ -13,7 +13,9 @@ parallelism's gradient all-reduce (twice per MoE layer under the two-halves laye
 each op once per half). Weights outside the explicit ops (embedding, output projection, router,
 norms) are handled by GSPMD the same way. Where the plan compresses the routed experts' sum over their
 replicas (sharding/gradient_sync.py), it is an all-to-all and an all-gather (or a bfloat16 all-reduce)
-per weight and micro-batch for all layers, after the layer loop.
+per weight and micro-batch for all layers, after the layer loop. Under a distributed optimizer
+(`mesh.optimizer_storage`) the sum lands in the optimizer's slices: a reduce-scatter over the axes its
+storage adds, per micro-batch, and the weights are gathered from the master once per step.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
 GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
@@ -313,6 +315,11 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
                                                        lay.plan.hardware.platform).items():
         totals[kind, replica_axes] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
     gathered_in_op = lay.plan.expert_layout().weight_gather if "exp" in names else ()
+    if not gathered_in_op and lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu":
+      # Each micro-batch's gradient is summed into the optimizer's slices of the float32 accumulator
+      # (training/master_weights.py): GPU compiles reduce-scatter it over the axes the optimizer storage adds
+      # (XLA's reduce-scatter creator joins the sum and the slice); XLA:CPU all-reduces it, then slices.
+      gathered_in_op = lay.in_mesh_order(({a for dim in lay.updated(*names) for a in dim} - weight_axes) & summed)
     if gathered_in_op:
       shards *= lay.size(gathered_in_op)
       summed -= set(gathered_in_op)
@@ -344,7 +351,8 @@ def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> boo
 def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
   """Weights stored split but used whole, all-gathered by GSPMD: FSDP's `embed` split before each use (in
   the forward, and again in the backward where `weights_regathered`), a vocabulary split of the embedding
-  tables (`tp_sp`), and ZeRO-1's parameters after the sharded update (once per step)."""
+  tables (`tp_sp`), and ZeRO-1's parameters after the sharded update, or the distributed optimizer's weights
+  from its master (once per step)."""
   m, moe, t = lay.config.model, lay.config.model.moe, lay.config.train
   c = jnp.dtype(m.dtype).itemsize
   num_moe = m.num_layers - m.num_dense_layers
@@ -375,8 +383,11 @@ def _weight_gathers(lay: _Layout, costs: list[CollectiveCost]) -> None:
     updated = lay.in_mesh_order({a for dim in lay.updated(*names) for a in dim})
     after_update = tuple(a for a in updated if a not in stored)
     if after_update:
+      # Once per step: ZeRO-1's float32 parameters after the sharded update, or the distributed optimizer's
+      # weights in their compute dtype, gathered from the master (training/master_weights.py).
+      gathered_bytes = itemsize if lay.plan.distributed_optimizer else 4
       totals["zero1_update", after_update] += moved_bytes("all-gather", lay.size(after_update),
-                                                          elements * 4 / lay.size(stored))
+                                                          elements * gathered_bytes / lay.size(stored))
   for (op, axes), nbytes in totals.items():
     costs.append(CollectiveCost(op, "all-gather", lay.size(axes), nbytes, axes))
 

@@ -37,8 +37,8 @@ from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
 from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.training import master_weights
 from meshmoe.sharding.projection_blocks import attention_width
-from meshmoe.sharding.shardings import logical_axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,47 +54,59 @@ class MemoryCost:
 
 
 def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
-  shapes, names = _parameters(config.model)
+  shapes, names, paths = _parameters(config.model)
+  float32 = [4] * len(shapes)
 
-  def placed_bytes(spec_of) -> float:
-    return sum(4 * math.prod(shape) / _shards(plan, spec_of(n)) for shape, n in zip(shapes, names))
+  def placed_bytes(spec_of, itemsizes=float32) -> float:
+    return sum(size * math.prod(shape) / _shards(plan, spec_of(n)) for shape, n, size in zip(shapes, names, itemsizes))
 
-  param_bytes = placed_bytes(plan.param_spec)
+  accumulating = config.train.grad_accum_steps > 1
   activations = _activation_bytes(config, plan)
   if config.model.remat == "none":
     activations += _layer_weight_copies(config, plan, shapes, names)
-  # With gradient accumulation the micro-batch loop carries the float32 sum beside each micro-batch's.
-  gradients = param_bytes * (2 if config.train.grad_accum_steps > 1 else 1)
+  if plan.distributed_optimizer:
+    # The weights in their compute dtype where the parameter rules put them; the float32 master, the
+    # moments and the gradients' float32 sum where the optimizer rules put them, with each micro-batch's
+    # gradient (compute dtype) summed into those slices (training/master_weights.py).
+    compute = [master_weights.compute_dtype(path, n, config.model.dtype).itemsize for path, n in zip(paths, names)]
+    param_bytes, master = placed_bytes(plan.param_spec, compute), placed_bytes(plan.optimizer_spec)
+    gradients = master + (placed_bytes(plan.optimizer_spec, compute) if accumulating else 0.0)
+    optimizer = 3 * master
+  else:
+    param_bytes = placed_bytes(plan.param_spec)
+    # With gradient accumulation the micro-batch loop carries the float32 sum beside each micro-batch's.
+    gradients = param_bytes * (2 if accumulating else 1)
+    optimizer = 2 * placed_bytes(plan.optimizer_spec)
   experts = sum(math.prod(shape) / _shards(plan, plan.weight_spec(n)) for shape, n in zip(shapes, names)
                 if "exp" in n)
-  optimizer = 2 * placed_bytes(plan.optimizer_spec)
   if plan.gradient_feedback:  # gradient_sync.py's error-feedback residual, float32, beside the optimizer state
     optimizer += 4 * experts
   return MemoryCost(params=param_bytes, gradients=gradients, optimizer=optimizer, activations=activations)
 
 
-def _parameters(model) -> tuple[list[tuple[int, ...]], list[tuple[str | None, ...]]]:
-  """Every parameter's shape and logical axis names: an abstract model traced once per model config (the
-  planner asks for thousands of layouts of one), keyed by its repr (configs are mutable, so unhashable)."""
+def _parameters(model) -> tuple[list[tuple[int, ...]], list[tuple[str | None, ...]], list[list[str]]]:
+  """Every parameter's shape, logical axis names and path: an abstract model traced once per model config
+  (the planner asks for thousands of layouts of one), keyed by its repr (configs are mutable, so unhashable)."""
   key = repr(model)
   if key not in _PARAMETERS:
     abstract = nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
-    shapes = jax.tree.leaves(jax.tree.map(lambda v: v.get_value().shape, params, is_leaf=_is_variable),
-                             is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
     if len(_PARAMETERS) > 16:
       _PARAMETERS.clear()
-    _PARAMETERS[key] = shapes, jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
+    _PARAMETERS[key] = ([v.get_value().shape for _, v in leaves],
+                        [tuple(v.get_metadata().get("logical_axes", ())) for _, v in leaves],
+                        [master_weights.path_names(path) for path, _ in leaves])
   return _PARAMETERS[key]
 
 
-_PARAMETERS: dict[str, tuple[list, list]] = {}
+_PARAMETERS: dict[str, tuple[list, list, list]] = {}
 
 
 def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:
   """Without remat, the backward pass reads each layer's weights as its ops used them. Where those are new
-  values (gathered from their FSDP shards, or cast to the compute dtype), the layer scan keeps one per
-  layer; weights used as stored are read from the stacked parameters (and gathered again where
+  values (gathered from their FSDP shards, or cast to the compute dtype where the stored weights are the
+  float32 parameters), the layer scan keeps one per layer; weights used as stored are read from the stacked parameters (and gathered again where
   `cost_collectives.weights_regathered`)."""
   c = jnp.dtype(config.model.dtype).itemsize
   experts_regathered = cost_collectives.weights_regathered(config, plan, experts=True)
@@ -103,7 +115,7 @@ def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> f
     if not logical or logical[0] != "layers" or (experts_regathered and "exp" in logical):
       continue
     gathered = _shards(plan, plan.weight_spec(logical)) != _shards(plan, plan.param_spec(logical))
-    if gathered or c != 4:
+    if gathered or (c != 4 and not plan.distributed_optimizer):  # resident weights are cast already
       copies += c * math.prod(shape) / _shards(plan, plan.weight_spec(logical))
   return copies
 
@@ -266,7 +278,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     # those compute-dtype copies (moe_1b, dp and fsdp on 8 H100s: bf16[16, 32, 1024, 1024] and
     # [16, 32, 1024, 512] transposed), besides any float32 stack GSPMD gathers from (`_gather_transposes`).
     elements = 3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * d * moe.expert_mlp_dim
-    stored = elements * 4 / _shards(plan, plan.param_spec(logical))
+    stored = elements * _stored_itemsize(config, plan) / _shards(plan, plan.param_spec(logical))
     if m.remat == "none":
       stored = elements * c / _shards(plan, plan.weight_spec(logical)) + _gather_transposes(config, plan)
     transient = 2 * rows * width * c + stored
@@ -289,7 +301,14 @@ def _gather_transposes(config: Config, plan: ParallelPlan) -> float:
   if stored == used * plan.axis_size(plan.expert_layout().weight_gather):
     return 0.0
   m, moe = config.model, config.model.moe
-  return 3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * m.embed_dim * moe.expert_mlp_dim * 4 / stored
+  return (3 * (m.num_layers - m.num_dense_layers) * moe.num_experts * m.embed_dim * moe.expert_mlp_dim
+          * _stored_itemsize(config, plan) / stored)
+
+
+def _stored_itemsize(config: Config, plan: ParallelPlan) -> int:
+  """Bytes per element of the weights the layers read: float32 parameters, or a distributed optimizer's
+  copy in the compute dtype."""
+  return jnp.dtype(config.model.dtype).itemsize if plan.distributed_optimizer else 4
 
 
 def _shards(plan: ParallelPlan, spec) -> int:

@@ -22,12 +22,13 @@ def header(found: planner.Search, gpus_per_node: int, efficiency: float) -> str:
       f"to {found.capacity_bytes / _GB:.1f} GB",
       f"searched {found.evaluated} layouts: {invalid} refused by the config validation"
       + (f" ({reasons})" if reasons else "")
-      + "; of the rest, per (mesh, preset, experts, storage, tier, remat) the fewest micro-batches that fit: "
+      + "; of the rest, per (mesh, preset, experts, storage, optimizer, tier, remat) the fewest micro-batches that fit: "
       f"{len(found.ranked) + found.equivalent} fit ({found.equivalent} of them predicted the same as a simpler "
       f"one ranked here), {'some' if found.too_big else 'none'} do not fit with any"]) + "\n"
 
 
-_COLUMNS = (f"{'rank':>4s} {'mesh d.e.t.s':>11s} {'preset':9s} {'experts':7s} {'storage':7s} {'tier':9s} {'µb':>4s}"
+_COLUMNS = (f"{'rank':>4s} {'mesh d.e.t.s':>11s} {'preset':9s} {'experts':7s} {'storage':7s} {'optimizer':9s} "
+            f"{'tier':9s} {'µb':>4s}"
             f" {'remat':5s} {'memory':>9s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'exposed s':>9s}")
 
 

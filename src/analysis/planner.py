@@ -2,12 +2,12 @@
 
 A layout is everything a user picks beside the model: the mesh axis sizes, the preset, the mesh axes of
 the MoE layers' experts (`mesh.expert_axes`: MoE parallel folding, `foldings`), where weights are stored
-(`mesh.weight_storage`), the tier, the number of micro-batches, remat, and (when allowed) the lossy
+(`mesh.weight_storage`), the optimizer state (`mesh.optimizer_storage`: the distributed optimizer), the tier, the number of micro-batches, remat, and (when allowed) the lossy
 compression options. `search` enumerates the layouts the config validation accepts, builds each one's
 parallel plan on a deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose
 modelled memory does not fit the GPU (less a margin for what the memory model leaves out), predicts the
 step time of the rest (step_time.py) and ranks them fastest first. For each (mesh, preset, experts' axes,
-storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never make the
+storage, optimizer storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never make the
 modelled step faster (the same FLOPs, and per-micro-batch collectives repeat).
 
 Everything here is modelled. `experiments.plan --verify=K` compiles the top K deviceless and prints the
@@ -54,6 +54,7 @@ class Layout:
   gradient_compression: str = "none"
   exchange_dtype: str = "auto"  # the MoE token exchanges' wire format, both ways and their gradients
   expert_axes: str = "preset"  # MoE parallel folding (`mesh.expert_axes`; the width axes stay "preset")
+  optimizer_storage: str = "weights"  # the distributed optimizer (`mesh.optimizer_storage`)
 
   @classmethod
   def of(cls, config: Config, num_gpus: int) -> Layout:
@@ -62,14 +63,15 @@ class Layout:
     p = config.parallel
     return cls(tuple(sizes[a] for a in MESH_AXES), config.mesh.preset, config.mesh.weight_storage, p.impl,
                config.model.remat, config.train.grad_accum_steps, p.gradient_compression, p.moe_dispatch_dtype,
-               config.mesh.expert_axes)
+               config.mesh.expert_axes, config.mesh.optimizer_storage)
 
   def apply(self, config: Config) -> Config:
     """A copy of `config` with this layout."""
     config = copy.deepcopy(config)
     config.mesh = MeshConfig(**dict(zip(MESH_AXES, self.mesh)), preset=self.preset,
                              weight_storage=self.weight_storage, expert_axes=self.expert_axes,
-                             expert_width_axes=config.mesh.expert_width_axes)
+                             expert_width_axes=config.mesh.expert_width_axes,
+                             optimizer_storage=self.optimizer_storage)
     config.parallel.impl = self.impl
     config.model.remat = self.remat
     config.train.grad_accum_steps = self.grad_accum_steps
@@ -86,6 +88,8 @@ class Layout:
               f"--config.train.grad_accum_steps={self.grad_accum_steps}"]
     if self.expert_axes != "preset":
       flags.append(f"--config.mesh.expert_axes={self.expert_axes}")
+    if self.optimizer_storage != "weights":
+      flags.append(f"--config.mesh.optimizer_storage={self.optimizer_storage}")
     if self.gradient_compression != "none":
       flags.append(f"--config.parallel.gradient_compression={self.gradient_compression}")
     if self.exchange_dtype != "auto":
@@ -97,7 +101,8 @@ class Layout:
     mesh = "x".join(map(str, self.mesh))
     extra = "".join(f" {v}" for v in (self.gradient_compression, self.exchange_dtype) if v not in ("none", "auto"))
     experts = "preset" if self.expert_axes == "preset" else ".".join(a[0] for a in self.expert_axes.split(","))
-    return (f"{mesh:>11s} {self.preset:9s} {experts:7s} {self.weight_storage:7s} {self.impl:9s} "
+    return (f"{mesh:>11s} {self.preset:9s} {experts:7s} {self.weight_storage:7s} {self.optimizer_storage:9s} "
+            f"{self.impl:9s} "
             f"{self.grad_accum_steps:4d} {self.remat:5s}{extra}")
 
 
@@ -156,10 +161,12 @@ def layouts(config: Config, num_gpus: int, gpus_per_node: int, allow_compression
   accums = [a for a in range(1, batch + 1) if batch % a == 0]
   for preset in presets:
     for mesh in mesh_shapes(config, num_gpus, gpus_per_node, preset):
-      for storage, experts in itertools.product(_storages(preset, mesh), foldings(config, preset, mesh)):
+      for storage, experts, optimizer in itertools.product(_storages(preset, mesh), foldings(config, preset, mesh),
+                                                           _optimizer_storages(mesh)):
         for impl, remat, (compression, exchange) in itertools.product(
-            tiers, remats, _compressions(config, allow_compression)):
-          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange, experts) for a in accums)
+            tiers, remats, _compressions(config, allow_compression, optimizer)):
+          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange, experts, optimizer)
+                      for a in accums)
 
 
 def foldings(config: Config, preset: str, mesh: tuple[int, ...]) -> list[str]:
@@ -193,10 +200,19 @@ def _storages(preset: str, mesh: tuple[int, ...]) -> list[str]:
   return storages
 
 
-def _compressions(config: Config, allowed: bool) -> list[tuple[str, str]]:
-  """(gradient compression, exchange format) pairs: exact only, unless lossy options are allowed."""
+def _optimizer_storages(mesh: tuple[int, ...]) -> list[str]:
+  """The optimizer storages tried: as the weights, and the distributed optimizer over every axis (over
+  `data` alone it splits less for the same collectives per micro-batch, so it is left out)."""
+  return ["weights", "all"] if math.prod(mesh) > 1 else ["weights"]
+
+
+def _compressions(config: Config, allowed: bool, optimizer_storage: str = "weights") -> list[tuple[str, str]]:
+  """(gradient compression, exchange format) pairs: exact only, unless lossy options are allowed (the
+  distributed optimizer sums gradients in float32: no compression with it)."""
   if not allowed or config.model.num_layers == config.model.num_dense_layers:
     return [("none", "auto")]
+  if optimizer_storage != "weights":
+    return [("none", "auto"), ("none", "float8_e4m3fn")]
   return [("none", "auto"), ("int8", "auto"), ("none", "float8_e4m3fn"), ("int8", "float8_e4m3fn")]
 
 

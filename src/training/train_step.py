@@ -33,6 +33,7 @@ from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.runtime import nonfinite
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
+from meshmoe.training import master_weights
 from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.training.model_state import (abstract_gradient_residual, abstract_model_state, in_sequence_order,
                                           init_gradient_residual, init_model, init_optimizer_state,
@@ -167,10 +168,17 @@ def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: Para
 def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: ParallelPlan, shardings) -> Callable:
   moe, count = config.model.moe, config.train.grad_accum_steps
   grad_shardings = plan.param_shardings(shardings.params)
+  weight_shardings = plan.weight_shardings(shardings.params)
+  dtypes = master_weights.compute_dtypes(shardings.params, config.model.dtype)
   stacked = nonfinite.stacked_leaves(shardings.params)
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     total_tokens = jnp.sum(batch["mask"])
+    # Under a distributed optimizer the model computes with a copy of the float32 master in its compute
+    # dtype, gathered once here for every micro-batch (training/master_weights.py).
+    weights = (master_weights.resident(state.params, dtypes, weight_shardings) if plan.distributed_optimizer
+               else state.params)
+    in_float32 = lambda grads: jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     def loss_of(params, grad_residual, micro):
       terms = loss_terms(graphdef, params, state.others, micro, plan, grad_residual)
@@ -179,15 +187,17 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
     # grad_residual's "gradient" is the new grad_residual: what the compressed sums lost (gradient_sync.py).
     grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
     if count == 1:
-      (loss, terms), (grads, grad_residual) = grad_fn(state.params, state.grad_residual, batch)
-      terms = jax.tree.map(lambda x: x[None], terms)
+      (loss, terms), (grads, grad_residual) = grad_fn(weights, state.grad_residual, batch)
+      grads, terms = in_float32(grads), jax.tree.map(lambda x: x[None], terms)
     else:
       def accumulate(carry, micro):
         loss_sum, grad_sum, grad_residual = carry
         # Each micro-batch's compressed sum is a round of error feedback: what it loses enters the next.
-        (loss, terms), (grads, grad_residual) = grad_fn(state.params, grad_residual, micro)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), grad_residual), terms
+        (loss, terms), (grads, grad_residual) = grad_fn(weights, grad_residual, micro)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, in_float32(grads)), grad_residual), terms
 
+      # The float32 accumulator lies like the state's parameters: under a distributed optimizer each
+      # micro-batch's gradient is summed straight into its slices (training/master_weights.py).
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), state.grad_residual)
       (loss, grads, grad_residual), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)

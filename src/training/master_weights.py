@@ -1,0 +1,75 @@
+"""The distributed optimizer's two copies of the weights (`mesh.optimizer_storage`: ZeRO-1, Megatron-Core's
+"distributed optimizer").
+
+Under it the train state's parameters are float32 master weights placed by the optimizer rules (split over
+`data`, or over every axis, on top of where the weights lie; ParallelPlan.param_shardings), beside the Adam
+moments, placed alike. A step:
+1. makes the weights the model computes with (`resident`): the master cast to each weight's compute dtype and
+   placed by the parameter rules (ParallelPlan.weight_shardings): one all-gather over the optimizer's storage
+   axes per step, in the compute dtype;
+2. runs every micro-batch on those weights and sums each one's gradient into a float32 accumulator placed
+   like the master (train_step.py): GPU compiles reduce-scatter each micro-batch's gradient into its slices
+   (XLA:CPU all-reduces it, then slices), where the float32 weights' gradient would be all-reduced whole;
+3. updates each slice of the master and the moments on the device that holds it.
+
+Each weight's compute dtype (`compute_dtypes`) is the dtype its layer computes with, so the model computes
+exactly what it computes from float32 weights: the model's dtype for the matrices, which every layer casts
+to it; float32 for the norms' scales (models/layers.py), the router's kernel (its logits are float32,
+models/router.py) and the vocabulary tables (the output logits are float32, models/output.py), all small.
+
+The checkpoint holds the master (float32, as without a distributed optimizer) and the moments, so a
+checkpoint moves between optimizer storages and weight storages as between any two layouts.
+
+Why each micro-batch's gradient is still summed (Megatron-Core sums once per step): the devices that hold
+different tokens of one weight each compute part of its gradient, and inside the MoE op (a shard_map) and
+wherever XLA's partitioner writes a weight gradient, those parts are summed in that micro-batch's backward
+pass. A partial sum has no place to wait in GSPMD's auto-sharded program: a weight held whole on several
+devices holds one value on each, and so does its gradient. Deferring the sum would take every weight's
+gradient GEMM into a manual region (per-replica copies, as sharding/gradient_sync.py makes for the experts'
+compressed sum) and keep a float32 gradient per replica: 4 bytes per parameter where the accumulator here
+holds 4 / N. What the distributed optimizer removes per micro-batch is the gathers of weight storage
+`data`/`all` (storage "preset" holds the weights whole), and it halves the bytes of each gradient sum (a
+reduce-scatter moves half an all-reduce's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Parameters whose layers compute in float32 whatever the model's dtype (module docstring).
+_FLOAT32_LOGICAL_AXES = ("norm", "vocab")
+_FLOAT32_MODULES = ("router",)
+
+
+def compute_dtype(path: Sequence[str], logical_axes: Sequence[str | None], dtype: str) -> jnp.dtype:
+  """The compute dtype of the parameter at `path` (its names from the model down) with these logical axis
+  names: `dtype` (the model's), or float32 for the weights whose layers compute in float32."""
+  if any(name in logical_axes for name in _FLOAT32_LOGICAL_AXES) or any(name in path for name in _FLOAT32_MODULES):
+    return jnp.dtype(jnp.float32)
+  return jnp.dtype(dtype)
+
+
+def compute_dtypes(params: Any, dtype: str) -> Any:
+  """Each parameter's `compute_dtype` (a tree like `params`, an nnx.State of the parameters)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, variable: compute_dtype(path_names(path), variable.get_metadata().get("logical_axes", ()), dtype),
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def path_names(path) -> list[str]:
+  """The names along a pytree key path of an nnx.State."""
+  return [str(getattr(key, "key", key)) for key in path]
+
+
+def resident(master: Any, dtypes: Any, shardings: Any) -> Any:
+  """The weights the model computes with: `master` cast to `dtypes` and placed as `shardings` says
+  (ParallelPlan.weight_shardings; inside a jitted step)."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  cast = jax.tree.map(lambda v, dtype: v.replace(v[...].astype(dtype)), master, dtypes, is_leaf=is_variable)
+  return jax.lax.with_sharding_constraint(cast, shardings)
+
