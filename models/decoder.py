@@ -148,6 +148,7 @@ class LayerStack(nnx.Module):
 
       def one_layer(x_BSD, layer):
         state, replicas = layer
+        state = shardings.with_optimizer_placed_gradients(state, stacked=True)
         return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS,
                       replicas)
 
@@ -155,6 +156,7 @@ class LayerStack(nnx.Module):
 
     def one_layer_in_halves(halves, layer):
       state, replicas = layer
+      state = shardings.with_optimizer_placed_gradients(state, stacked=True)
       return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas)
 
     halves = (split_halves(x_BSD, _RESIDUAL_STREAM), split_halves(positions_BS, _RESIDUAL_STREAM[:2]))

@@ -87,3 +87,52 @@ def named_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
   """NamedSharding for every variable in `state` under `rules` (same tree structure)."""
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(state, rules),
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def with_optimizer_placed_gradients(state: Any, stacked: bool = False) -> Any:
+  """`state` (an nnx.State of parameters) unchanged, its gradient placed in the backward pass as the active
+  plan's optimizer rules place the parameters, where the plan has a distributed optimizer
+  (`mesh.optimizer_storage`; training/master_weights.py); otherwise `state` itself. `stacked`: `state` is
+  one layer's slice of stacked parameters inside the layer loop (its logical axes still name `layers`).
+
+  Why: a weight's gradient is a sum over the devices that hold different tokens. Placed split, XLA sums it
+  straight into each device's slice where the gradient is formed (a reduce-scatter, inside the layer loop);
+  left to the step's accumulator after the loop, XLA all-reduces each layer's gradient whole inside the loop
+  and slices the sum afterwards."""
+  return _with_placed_gradients(state, "optimizer", stacked)
+
+
+def with_weight_placed_gradients(state: Any) -> Any:
+  """`state` (an nnx.State of all the parameters) unchanged, the gradient of each parameter outside the layer
+  loop placed as the weight is (the parameter rules), where the plan has a distributed optimizer. Its sum
+  then waits in the step's accumulator for one all-reduce per step (training/master_weights.py); left
+  unplaced, XLA formed DeepSeek-V3's and Mixtral's output tables' gradients whole on every device and
+  all-reduced them per micro-batch (compiled deviceless)."""
+  plan = _CURRENT.get()
+  if plan is None or not plan.distributed_optimizer:
+    return state
+  return _with_placed_gradients(state, "weights", stacked=False,
+                                only=lambda logical: logical[:1] != ("layers",))
+
+
+def _with_placed_gradients(state: Any, rules: str, stacked: bool, only=lambda logical: True) -> Any:
+  plan = _CURRENT.get()
+  if plan is None or not plan.distributed_optimizer:
+    return state
+  spec_of = plan.optimizer_spec if rules == "optimizer" else plan.param_spec
+  variables, treedef = jax.tree.flatten(state, is_leaf=_is_variable)
+  logicals = [tuple(v.get_metadata()["logical_axes"]) for v in variables]
+  shardings = [NamedSharding(plan.mesh, spec_of(logical[1:] if stacked else logical)) if only(logical) else None
+               for logical in logicals]
+
+  @jax.custom_vjp
+  def identity(*arrays):
+    return arrays
+
+  def backward(_, cotangents):
+    return tuple(g if s is None else jax.lax.with_sharding_constraint(g, s)
+                 for g, s in zip(cotangents, shardings, strict=True))
+
+  identity.defvjp(lambda *arrays: (arrays, None), backward)
+  arrays = identity(*(v[...] for v in variables))
+  return jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, arrays, strict=True)])

@@ -283,20 +283,31 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   # An MoE layer run in two halves (ParallelPlan.two_halves) calls each of its ops twice: its in-op weights'
   # gradients are summed twice per micro-batch, counted here as twice the layers.
   moe_calls = num_moe * (2 if lay.plan.two_halves else 1)
+  # Devices that differ only along axes the tokens are not split over (megascale's `tensor`) compute the
+  # same gradient: the sum runs over the token axes that do not also split the weight.
+  token_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
+  totals: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
+  # XLA partitions the lookup's gradient (a scatter-add) into the whole table on every device, all-reduced
+  # over every token axis once per micro-batch, when the table's gradient is wanted split along D over token
+  # axes (compiled deviceless: DeepSeek-V3's 3.7 GB table over 256 devices), and so the untied output
+  # table's, except under a distributed optimizer, which places it as the weight in the backward pass
+  # (sharding.shardings.with_weight_placed_gradients).
+  whole_tables = 0
+  if _embedding_summed_whole(lay, token_axes):
+    whole_tables = 1 if m.tie_embeddings or lay.plan.distributed_optimizer else 2
+    axes = lay.in_mesh_order(token_axes)
+    totals["all-reduce", axes] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(axes),
+                                                                   whole_tables * m.vocab_size * d * 4)
   weights = [
       *((names, elements, m.num_dense_layers + moe_calls, c, True) for names, elements in attention_weights(m)),
       (("embed", "mlp"), d * m.mlp_dim * 3, m.num_dense_layers, c, True),
       (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("embed", None), d * moe.num_experts, num_moe, 4, False),  # router, float32
-      (("vocab", "embed"), m.vocab_size * d * (1 if m.tie_embeddings else 2), 1, 4, False),
+      (("vocab", "embed"), m.vocab_size * d * ((1 if m.tie_embeddings else 2) - whole_tables), 1, 4, False),
       (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
       (("norm",), (m.kv_lora_rank + m.q_lora_rank) * m.num_layers if m.attention == "mla" else 0, 1, 4, False),
   ]
-  # Devices that differ only along axes the tokens are not split over (megascale's `tensor`) compute the
-  # same gradient: the sum runs over the token axes that do not also split the weight.
-  token_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
-  totals: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
   compression = lay.plan.gradient_compression
   for names, elements, layers, itemsize, in_op in weights:
     if not elements or not layers:
@@ -315,10 +326,11 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
                                                        lay.plan.hardware.platform).items():
         totals[kind, replica_axes] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
     gathered_in_op = lay.plan.expert_layout().weight_gather if "exp" in names else ()
-    if not gathered_in_op and lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu":
-      # Each micro-batch's gradient is summed into the optimizer's slices of the float32 accumulator
-      # (training/master_weights.py): GPU compiles reduce-scatter it over the axes the optimizer storage adds
-      # (XLA's reduce-scatter creator joins the sum and the slice); XLA:CPU all-reduces it, then slices.
+    if (not gathered_in_op and lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu"
+        and names[0] != "vocab"):
+      # Each micro-batch's gradient of the layers' weights is summed into the optimizer's slices of the
+      # float32 accumulator (training/master_weights.py): GPU compiles reduce-scatter it over the axes the
+      # optimizer storage adds; XLA:CPU all-reduces it, then slices. The tables' wait for one sum per step.
       gathered_in_op = lay.in_mesh_order(({a for dim in lay.updated(*names) for a in dim} - weight_axes) & summed)
     if gathered_in_op:
       shards *= lay.size(gathered_in_op)
@@ -331,6 +343,15 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   for (kind, axes), nbytes in totals.items():
     if lay.size(axes) > 1:
       costs.append(CollectiveCost("gradients", kind, lay.size(axes), nbytes, axes))
+
+
+def _embedding_summed_whole(lay: _Layout, token_axes: set[str]) -> bool:
+  """Whether the embedding table's gradient is summed whole per micro-batch (`_weight_gradients`): where the
+  table is stored, or under a distributed optimizer updated, with D split over axes that split the tokens,
+  and the lookup is not the local one of `_embedding_lookup` (D over exactly the batch's axes)."""
+  placed = lay.updated if lay.plan.distributed_optimizer else lay.stored
+  d_axes = set(placed("vocab", "embed")[1])
+  return bool(d_axes & token_axes) and not _local_lookup(lay)
 
 
 def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:
@@ -398,10 +419,9 @@ def _embedding_lookup(lay: _Layout, costs: list[CollectiveCost], micro: int, bat
   token split, [tokens/g, D] (float32), and back in the backward pass. Split otherwise, GSPMD gathers the
   table for the lookup instead (`_weight_gathers` counts that gather in every case)."""
   m, t = lay.config.model, lay.config.train
-  table_axes = lay.stored("vocab", "embed")[1]
-  split = lambda axes: {a for a in axes if lay.size((a,)) > 1}
-  if split(table_axes) != split(batch_axes) or split(seq_axes):
+  if not _local_lookup(lay):
     return
+  table_axes = lay.stored("vocab", "embed")[1]
   token_axes = set(batch_axes) | set(seq_axes)
   axes = tuple(a for a in table_axes if a in token_axes)
   g = lay.size(axes)
@@ -416,3 +436,11 @@ def bytes_by_kind(costs: list[CollectiveCost]) -> dict[str, float]:
   for cost in costs:
     totals[cost.kind] += cost.bytes
   return dict(totals)
+
+
+def _local_lookup(lay: _Layout) -> bool:
+  """Whether the embedding table is split along D over exactly the batch's axes, with the sequence whole: then
+  each device looks its D slice up for every token (`_embedding_lookup`)."""
+  batch_axes, seq_axes = lay.act("act_batch", "act_seq")
+  split = lambda axes: {a for a in axes if lay.size((a,)) > 1}
+  return split(lay.stored("vocab", "embed")[1]) == split(batch_axes) and not split(seq_axes)

@@ -7,10 +7,20 @@ moments, placed alike. A step:
 1. makes the weights the model computes with (`resident`): the master cast to each weight's compute dtype and
    placed by the parameter rules (ParallelPlan.weight_shardings): one all-gather over the optimizer's storage
    axes per step, in the compute dtype;
-2. runs every micro-batch on those weights and sums each one's gradient into a float32 accumulator placed
-   like the master (train_step.py): GPU compiles reduce-scatter each micro-batch's gradient into its slices
-   (XLA:CPU all-reduces it, then slices), where the float32 weights' gradient would be all-reduced whole;
-3. updates each slice of the master and the moments on the device that holds it.
+2. runs every micro-batch on those weights and sums their gradients in a float32 accumulator
+   (`accumulator_shardings`):
+   - the layers' weights (stacked, used inside the layer loop): each layer's gradient is placed like its
+     master in the layer loop's backward pass (sharding.shardings.with_optimizer_placed_gradients), so GPU
+     compiles reduce-scatter each micro-batch's gradient into the master's slices there (XLA:CPU all-reduces
+     it, then slices), where float32 weights stored whole have theirs all-reduced whole;
+   - the weights outside the layer loop (the embedding and output tables, the final norm): their gradients
+     are placed as the weights (sharding.shardings.with_weight_placed_gradients) and accumulated there,
+     unsummed; XLA's while-loop all-reduce code motion moves their all-reduce out of the micro-batch loop,
+     once per step. One exception, XLA's: the embedding lookup's gradient (a scatter-add) is formed whole
+     on every device and all-reduced over every token axis per micro-batch (as under weight storage
+     `data`/`all`; cost_collectives.py counts it);
+3. slices the sums to the master's placement and updates each slice of the master and the moments on the
+   device that holds it.
 
 Each weight's compute dtype (`compute_dtypes`) is the dtype its layer computes with, so the model computes
 exactly what it computes from float32 weights: the model's dtype for the matrices, which every layer casts
@@ -73,3 +83,12 @@ def resident(master: Any, dtypes: Any, shardings: Any) -> Any:
   cast = jax.tree.map(lambda v, dtype: v.replace(v[...].astype(dtype)), master, dtypes, is_leaf=is_variable)
   return jax.lax.with_sharding_constraint(cast, shardings)
 
+
+def accumulator_shardings(params: Any, master_shardings: Any, weight_shardings: Any) -> Any:
+  """Where the step's float32 gradient sum of each parameter lies (module docstring, step 2): like its master
+  for the layers' stacked weights (their logical axes start with `layers`), like the weight elsewhere."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  stacked = jax.tree.map(lambda v: v.get_metadata().get("logical_axes", ("",))[:1] == ("layers",), params,
+                         is_leaf=is_variable)
+  return jax.tree.map(lambda layers, master, weight: master if layers else weight, stacked, master_shardings,
+                      weight_shardings)

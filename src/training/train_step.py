@@ -32,7 +32,7 @@ from meshmoe.config import Config
 from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
 from meshmoe.runtime import nonfinite
 from meshmoe.sharding.plan import ParallelPlan
-from meshmoe.sharding.shardings import use_plan
+from meshmoe.sharding.shardings import use_plan, with_weight_placed_gradients
 from meshmoe.training import master_weights
 from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.training.model_state import (abstract_gradient_residual, abstract_model_state, in_sequence_order,
@@ -162,6 +162,7 @@ def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: Para
   error-feedback input of the experts' compressed gradient sum (its gradient is the new grad_residual)."""
   with use_plan(plan):
     tokens, targets, mask, positions = in_sequence_order(plan, batch["inputs"], batch["targets"], batch["mask"])
+    params = with_weight_placed_gradients(params)
     return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions, grad_residual)
 
 
@@ -169,6 +170,7 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
   moe, count = config.model.moe, config.train.grad_accum_steps
   grad_shardings = plan.param_shardings(shardings.params)
   weight_shardings = plan.weight_shardings(shardings.params)
+  accumulator_shardings = master_weights.accumulator_shardings(shardings.params, grad_shardings, weight_shardings)
   dtypes = master_weights.compute_dtypes(shardings.params, config.model.dtype)
   stacked = nonfinite.stacked_leaves(shardings.params)
 
@@ -196,9 +198,10 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
         (loss, terms), (grads, grad_residual) = grad_fn(weights, grad_residual, micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, in_float32(grads)), grad_residual), terms
 
-      # The float32 accumulator lies like the state's parameters: under a distributed optimizer each
-      # micro-batch's gradient is summed straight into its slices (training/master_weights.py).
-      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), state.grad_residual)
+      grad_zeros = jax.tree.map(jnp.zeros_like, state.params)
+      if plan.distributed_optimizer:  # where each weight's sums are cheapest (training/master_weights.py)
+        grad_zeros = jax.lax.with_sharding_constraint(grad_zeros, accumulator_shardings)
+      zeros = (jnp.zeros((), jnp.float32), grad_zeros, state.grad_residual)
       (loss, grads, grad_residual), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     grad_sq_norms = nonfinite.squared_norms(grads, stacked)
@@ -234,6 +237,9 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
 
 def _make_eval_step(graphdef, config: Config, plan: ParallelPlan) -> Callable:
   def eval_step(params, others, batch):
+    if plan.distributed_optimizer:  # the weights the train step computes with, gathered once per eval batch
+      dtypes = master_weights.compute_dtypes(params, config.model.dtype)
+      params = master_weights.resident(params, dtypes, plan.weight_shardings(params))
     terms = loss_terms(graphdef, params, others, batch, plan)
     return {"ce_sum": terms["ce_sum"], "tokens": terms["tokens"]}
 
