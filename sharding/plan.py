@@ -447,7 +447,9 @@ class ParallelPlan:
   def table(self) -> str:
     """A short table of the plan: one line per op, then the fallbacks with their reasons."""
     mesh = " ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
-    placement = [f"weights stored split over {_in_words(self.weight_storage)}"] if self.weight_storage != "preset" else []
+    placement = []
+    if self.weight_storage != "preset":
+      placement.append(f"weights stored split over {_in_words(self.weight_storage)}")
     if self.distributed_optimizer:
       placement.append(f"float32 master weights and optimizer state split over {_in_words(self.optimizer_storage)}")
     if (self.expert_axes, self.expert_width_axes) != ("preset", "preset"):

@@ -89,6 +89,8 @@ def test_full_size_config_settings_and_docstring(name):
   assert not config.model.tie_embeddings
   doc = module.__doc__
   assert f'remat "{config.model.remat}"' in doc  # the choice (the planner's, with the memory it leaves) is explained
+  if config.mesh.optimizer_storage != "weights":  # so is a distributed optimizer
+    assert f'mesh.optimizer_storage="{config.mesh.optimizer_storage}"' in doc
   devices = NUM_DEVICES.get(name, DEFAULT_DEVICES)  # the docstring's command compiles for the validated count
   assert (f"python -m experiments.aot --config=experiments/configs/{name}.py --target=h100 --devices={devices}"
           in doc)

@@ -7,7 +7,7 @@
 (`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
 communication; `experiments.plan` ranks every layout; tests/test_configs.py validates and shape-checks this
 file.) This config does not train on CPU (2.7 TB of float32 parameters). On 256 H100s its step compiles to
-67.1 GB per device of 84.9 (2026-11-29, deviceless, 93 s to compile; the cost model says 76.4 GB); 256 is
+71.4 GB per device of 84.9 (2026-11-29, deviceless, 106 s to compile; the cost model says 79.8 GB); 256 is
 the fewest H100s on which any layout fits, by the planner (see "mesh" below).
 
 Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
@@ -36,26 +36,27 @@ ExpertBias variables, not parameters, and are not counted.
 
 Choices:
 - mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`, 2026-11-29): preset
-  "tp_sp" with tensor=8 (within a node: attention's heads), sequence=2, expert=2, data=-1 (8 at 256
-  devices), and the routed experts folded over every axis (mesh.expert_axes, MoE parallel folding): 256-way
-  expert parallelism, one whole expert per device per layer, so no expert weight is replicated or
-  gathered. Every other weight's storage is split over every axis (mesh.weight_storage="all": each layer's
-  attention and dense weights are all-gathered as the step uses them). The xla tier (ties with the
-  reference tier in the model; it overlaps 77% of the compiled collective bytes against 35%) and 960
-  micro-batches of 16 sequences. Float32 parameter + gradient (twice, with the accumulated sum) + two Adam
-  moments are 20 bytes per parameter, 13.4 TB in all: 52 GB per device at 256. At 128 H100s no layout fits.
-  The planner predicts 7.5% MFU (828 s per step, modelled: the routed experts' GEMMs at the kernel table's
-  rates measured at this expert shape, the rest at its stated 50% GEMM efficiency; 3.6% for the layout
-  before folding, whose fused MoE kernels cannot run now that the plan knows their ring spans 2 nodes):
-  per micro-batch, the attention and dense weights are gathered again and every gradient summed (about
-  510 s of the step), and the 256-way token exchange takes 190 s. Both go once per step with the
-  distributed optimizer of issue 46 (not built yet). DeepSeek itself used 16-way pipeline parallelism,
-  64-way expert parallelism and ZeRO-1; meshmoe has no pipeline axis.
+  "tp_sp" with tensor=8 (within a node: attention's heads), expert=16, data=-1 (2 at 256 devices), the
+  routed experts folded over data x expert x tensor (mesh.expert_axes, MoE parallel folding): 256-way
+  expert parallelism, one whole expert per device per layer, none replicated or gathered. The other
+  weights' storage is split over `data` (mesh.weight_storage="data": each layer's attention and dense
+  weights are all-gathered over 2 devices as the step uses them), in bfloat16, and the float32 master
+  weights and Adam moments are split over every axis (mesh.optimizer_storage="all", the distributed
+  optimizer, ZeRO-1 as DeepSeek trained): 2 bytes per parameter resident, 16 split. The xla tier and 480
+  micro-batches of 32 sequences. At 128 H100s no layout fits.
+  The planner predicts 14.4% MFU (431.6 s per step, modelled: the routed experts' GEMMs at the kernel
+  table's rates measured at this expert shape, the rest at its stated 50% GEMM efficiency; 7.5% and 828 s
+  before the distributed optimizer, 5.6% and 1104 s for that layout now that the cost model counts the
+  embedding gradient XLA all-reduces whole per micro-batch; 3.6% before folding). What is left: the
+  256-way token exchange (190 s, most of it over the network at 50 GB/s per GPU) against 216 s of compute,
+  and per micro-batch the gradient sums and the storage gathers. DeepSeek itself used 16-way pipeline
+  parallelism, 64-way expert parallelism, ZeRO-1 and node-limited dispatch that sends a token once per
+  node (DeepEP); meshmoe has no pipeline axis and sends each of a token's 8 assignments.
 - remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
   queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer
   beside the 7168-wide input), and the routed expert GEMMs are recomputed under either policy.
 - train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
-  from 3072 over the first 469B tokens, not modelled) in 960 micro-batches of 16 (see "mesh"). steps:
+  from 3072 over the first 469B tokens, not modelled) in 480 micro-batches of 32 (see "mesh"). steps:
   14.8T tokens / 62.9M = 235K.
 - optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
   warmup steps, down to 2.2e-5 (ratio 0.1). The paper holds the peak until 10T tokens and then decays
@@ -81,12 +82,12 @@ def get_config() -> Config:
               num_groups=8, top_k_groups=4,
               aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=2, tensor=8, sequence=2, preset="tp_sp", weight_storage="all",
-                      expert_axes="data,expert,tensor,sequence"),
+      mesh=MeshConfig(data=-1, expert=16, tensor=8, sequence=1, preset="tp_sp", weight_storage="data",
+                      expert_axes="data,expert,tensor", optimizer_storage="all"),
       parallel=ParallelConfig(impl="xla"),
       optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
-      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=960,
+      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=480,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )

@@ -18,17 +18,18 @@ in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.t
 seq_len 4096): 79.7 GFLOP per token.
 
 Compiled for 64 H100s as set here (deviceless, 2026-11-29; experiments/benchmarks/RESULTS.md), the step
-peaks at 62.9 GB per device (the cost model says 78.2 GB).
+peaks at 68.2 GB per device (the cost model says 77.0 GB).
 
 Choices (the planner's best layout on 64 H100s: `python -m experiments.plan --config=<this file> --gpus=64`,
-14.08 s per step, 37.5% MFU, modelled at its stated 50% GEMM efficiency, 2026-11-29):
-- mesh: preset "tp_sp" with expert=8 (one whole expert per rank: Mixtral has 8), tensor=2 (heads, MLP and
-  expert widths), sequence=4 (context parallel), data=-1 (1 at 64 devices); every weight's storage split
-  over every axis the preset leaves it on (mesh.weight_storage="all"), so the float32 parameter, gradients
-  and Adam moments are 14.6 GB per device, and each layer's weights are gathered where it runs. The same
-  placement with the experts folded over data x expert (data=4, expert=2, mesh.expert_axes="data,expert")
-  ranks equal. The layout before (megascale 2x8x4x1, the fused kernels, 32 micro-batches, remat "full")
-  ranks 1036th at 20.9%: its MoE kernels' ring spans 4 nodes, so the plan runs the xla tier's exchange.
+13.16 s per step, 40.2% MFU, modelled at its stated 50% GEMM efficiency, 2026-11-29):
+- mesh: preset "tp_sp" with data=-1 (4 at 64 devices), expert=4, tensor=2 (heads and MLP widths), sequence=2 (context
+  parallel), and the experts folded over expert x sequence (mesh.expert_axes="expert,sequence": one whole
+  expert per device of that group of 8, so no expert weight is gathered). The weights stay where the
+  preset puts them, in bfloat16, and the float32 master weights and Adam moments are split over every axis
+  (mesh.optimizer_storage="all", the distributed optimizer): 2 bytes per parameter resident and 16 split,
+  gathered once per step; each micro-batch's gradient is reduce-scattered into the master's slices. The
+  layout before (1x8x2x4 with every weight's storage split over every axis and gathered per micro-batch)
+  is 14.47 s now that the cost model counts the embedding gradient XLA sums whole per micro-batch.
 - remat "none": the layout's memory leaves room to keep every layer's activations, which saves the extra
   forward (4/3 the compute under "full").
 - parallel.impl "xla": the ring projections and the chunked MoE pipeline overlap their transfers.
@@ -56,7 +57,8 @@ def get_config() -> Config:
               normalize_top_k=True, routed_scaling=1.0, expert_bias=False, aux_loss_weight=0.04,
               z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=8, tensor=2, sequence=4, preset="tp_sp", weight_storage="all"),
+      mesh=MeshConfig(data=-1, expert=4, tensor=2, sequence=2, preset="tp_sp", expert_axes="expert,sequence",
+                      optimizer_storage="all"),
       parallel=ParallelConfig(impl="xla"),
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
                                 b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),

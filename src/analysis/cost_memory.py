@@ -58,7 +58,8 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
   float32 = [4] * len(shapes)
 
   def placed_bytes(spec_of, itemsizes=float32) -> float:
-    return sum(size * math.prod(shape) / _shards(plan, spec_of(n)) for shape, n, size in zip(shapes, names, itemsizes))
+    return sum(size * math.prod(shape) / _shards(plan, spec_of(n))
+               for shape, n, size in zip(shapes, names, itemsizes))
 
   accumulating = config.train.grad_accum_steps > 1
   activations = _activation_bytes(config, plan)
@@ -106,8 +107,8 @@ _PARAMETERS: dict[str, tuple[list, list, list]] = {}
 def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:
   """Without remat, the backward pass reads each layer's weights as its ops used them. Where those are new
   values (gathered from their FSDP shards, or cast to the compute dtype where the stored weights are the
-  float32 parameters), the layer scan keeps one per layer; weights used as stored are read from the stacked parameters (and gathered again where
-  `cost_collectives.weights_regathered`)."""
+  float32 parameters), the layer scan keeps one per layer; weights used as stored are read from the stacked
+  parameters (and gathered again where `cost_collectives.weights_regathered`)."""
   c = jnp.dtype(config.model.dtype).itemsize
   experts_regathered = cost_collectives.weights_regathered(config, plan, experts=True)
   copies = 0.0

@@ -22,7 +22,8 @@ def header(found: planner.Search, gpus_per_node: int, efficiency: float) -> str:
       f"to {found.capacity_bytes / _GB:.1f} GB",
       f"searched {found.evaluated} layouts: {invalid} refused by the config validation"
       + (f" ({reasons})" if reasons else "")
-      + "; of the rest, per (mesh, preset, experts, storage, optimizer, tier, remat) the fewest micro-batches that fit: "
+      + "; of the rest, per (mesh, preset, experts, storage, optimizer, tier, remat) the fewest micro-batches "
+      "that fit: "
       f"{len(found.ranked) + found.equivalent} fit ({found.equivalent} of them predicted the same as a simpler "
       f"one ranked here), {'some' if found.too_big else 'none'} do not fit with any"]) + "\n"
 

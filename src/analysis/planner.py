@@ -2,13 +2,14 @@
 
 A layout is everything a user picks beside the model: the mesh axis sizes, the preset, the mesh axes of
 the MoE layers' experts (`mesh.expert_axes`: MoE parallel folding, `foldings`), where weights are stored
-(`mesh.weight_storage`), the optimizer state (`mesh.optimizer_storage`: the distributed optimizer), the tier, the number of micro-batches, remat, and (when allowed) the lossy
-compression options. `search` enumerates the layouts the config validation accepts, builds each one's
-parallel plan on a deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose
-modelled memory does not fit the GPU (less a margin for what the memory model leaves out), predicts the
-step time of the rest (step_time.py) and ranks them fastest first. For each (mesh, preset, experts' axes,
-storage, optimizer storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never make the
-modelled step faster (the same FLOPs, and per-micro-batch collectives repeat).
+(`mesh.weight_storage`), where the optimizer state is (`mesh.optimizer_storage`: the distributed
+optimizer), the tier, the number of micro-batches, remat, and (when allowed) the lossy compression options.
+`search` enumerates the layouts the config validation accepts, builds each one's parallel plan on a
+deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose modelled memory
+does not fit the GPU (less a margin for what the memory model leaves out), predicts the step time of the
+rest (step_time.py) and ranks them fastest first. For each (mesh, preset, experts' axes, storage,
+optimizer storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never
+make the modelled step faster (the same FLOPs, and per-micro-batch collectives repeat).
 
 Everything here is modelled. `experiments.plan --verify=K` compiles the top K deviceless and prints the
 compiled figures beside these (experiments/benchmarks/RESULTS.md has the comparison).
