@@ -105,25 +105,23 @@ def with_optimizer_placed_gradients(state: Any, stacked: bool = False) -> Any:
 def with_weight_placed_gradients(state: Any) -> Any:
   """`state` (an nnx.State of all the parameters) unchanged, the gradient of each parameter outside the layer
   loop placed as the weight is (the parameter rules), where the plan has a distributed optimizer. Its sum
-  then waits in the step's accumulator for one all-reduce per step (training/master_weights.py); left
-  unplaced, XLA formed DeepSeek-V3's and Mixtral's output tables' gradients whole on every device and
-  all-reduced them per micro-batch (compiled deviceless)."""
-  plan = _CURRENT.get()
-  if plan is None or not plan.distributed_optimizer:
-    return state
-  return _with_placed_gradients(state, "weights", stacked=False,
-                                only=lambda logical: logical[:1] != ("layers",))
+  then waits in the step's accumulator, and XLA moves the all-reduce out of the micro-batch loop
+  (training/master_weights.py). Placed like its master instead, Mixtral-8x7B's output table's gradient was
+  formed whole on every device and all-reduced per micro-batch (compiled deviceless)."""
+  return _with_placed_gradients(state, "weights", stacked=False, only=lambda logical: logical[:1] != ("layers",))
 
 
 def _with_placed_gradients(state: Any, rules: str, stacked: bool, only=lambda logical: True) -> Any:
+  """`state` unchanged; in the backward pass the gradient of each parameter whose logical axes `only` accepts
+  is constrained to the placement the plan's `rules` ("optimizer" or "weights") give it."""
   plan = _CURRENT.get()
   if plan is None or not plan.distributed_optimizer:
     return state
   spec_of = plan.optimizer_spec if rules == "optimizer" else plan.param_spec
   variables, treedef = jax.tree.flatten(state, is_leaf=_is_variable)
   logicals = [tuple(v.get_metadata()["logical_axes"]) for v in variables]
-  shardings = [NamedSharding(plan.mesh, spec_of(logical[1:] if stacked else logical)) if only(logical) else None
-               for logical in logicals]
+  shardings = [NamedSharding(plan.mesh, spec_of(logical[1:] if stacked else logical)) if only(logical)
+               else None for logical in logicals]
 
   @jax.custom_vjp
   def identity(*arrays):

@@ -59,16 +59,17 @@ _FLOAT32_MODULES = ("router",)
 def compute_dtype(path: Sequence[str], logical_axes: Sequence[str | None], dtype: str) -> jnp.dtype:
   """The compute dtype of the parameter at `path` (its names from the model down) with these logical axis
   names: `dtype` (the model's), or float32 for the weights whose layers compute in float32."""
-  if any(name in logical_axes for name in _FLOAT32_LOGICAL_AXES) or any(name in path for name in _FLOAT32_MODULES):
+  if any(name in logical_axes for name in _FLOAT32_LOGICAL_AXES) or any(name in _FLOAT32_MODULES for name in path):
     return jnp.dtype(jnp.float32)
   return jnp.dtype(dtype)
 
 
 def compute_dtypes(params: Any, dtype: str) -> Any:
   """Each parameter's `compute_dtype` (a tree like `params`, an nnx.State of the parameters)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, variable: compute_dtype(path_names(path), variable.get_metadata().get("logical_axes", ()), dtype),
-      params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  def of(path, variable: nnx.Variable) -> jnp.dtype:
+    return compute_dtype(path_names(path), variable.get_metadata().get("logical_axes", ()), dtype)
+
+  return jax.tree_util.tree_map_with_path(of, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def path_names(path) -> list[str]:

@@ -170,7 +170,8 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
   moe, count = config.model.moe, config.train.grad_accum_steps
   grad_shardings = plan.param_shardings(shardings.params)
   weight_shardings = plan.weight_shardings(shardings.params)
-  accumulator_shardings = master_weights.accumulator_shardings(shardings.params, grad_shardings, weight_shardings)
+  accumulator_shardings = master_weights.accumulator_shardings(shardings.params, grad_shardings,
+                                                               weight_shardings)
   dtypes = master_weights.compute_dtypes(shardings.params, config.model.dtype)
   stacked = nonfinite.stacked_leaves(shardings.params)
 
