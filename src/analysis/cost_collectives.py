@@ -326,11 +326,10 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
                                                        lay.plan.hardware.platform).items():
         totals[kind, replica_axes] += t.grad_accum_steps * 3 * moved_bytes(kind, replicas, nbytes)
     gathered_in_op = lay.plan.expert_layout().weight_gather if "exp" in names else ()
-    if (not gathered_in_op and lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu"
-        and names[0] != "vocab"):
-      # Each micro-batch's gradient of the layers' weights is summed into the optimizer's slices of the
-      # float32 accumulator (training/master_weights.py): GPU compiles reduce-scatter it over the axes the
-      # optimizer storage adds; XLA:CPU all-reduces it, then slices. The tables' wait for one sum per step.
+    if not gathered_in_op and lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu":
+      # The gradient is summed into the optimizer's slices of the float32 accumulator
+      # (training/master_weights.py): GPU compiles reduce-scatter it over the axes the optimizer storage adds
+      # (the layers' weights per micro-batch, the tables' once per step); XLA:CPU all-reduces it, then slices.
       gathered_in_op = lay.in_mesh_order(({a for dim in lay.updated(*names) for a in dim} - weight_axes) & summed)
     if gathered_in_op:
       shards *= lay.size(gathered_in_op)
