@@ -76,9 +76,10 @@ class MeshConfig:
   # of the weights and the moments split further, over `data` or over every axis (their `embed` dimension),
   # and the model computes with a copy of the weights in its compute dtype, placed as `weight_storage` says
   # and made once per step from the master (an all-gather per step, not per micro-batch). Each micro-batch's
-  # gradient is summed into the master's slices of a float32 accumulator (a reduce-scatter on GPUs, where
-  # "weights" all-reduces it). Bytes per parameter: 16 (float32 weights, gradient, two moments) become 2
-  # (bfloat16 weights) + 16 / N (master, gradient and moments over N devices).
+  # gradient of the layers' weights is summed into the master's slices of a float32 accumulator (a
+  # reduce-scatter on GPUs, where "weights" all-reduces it); the tables' once per step. Bytes per parameter:
+  # 16 (float32 weights, gradient, two moments) become 2 (bfloat16 weights) + 16 / N (master, gradient and
+  # moments over N devices).
   optimizer_storage: str = "weights"
 
   def sizes(self) -> dict[str, int]:
