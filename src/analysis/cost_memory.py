@@ -6,7 +6,10 @@
   the gradients twice (the running sum and the current micro-batch's). Counted with the optimizer state:
   the error-feedback residual of a compressed gradient sum (one float32 copy of the device's expert weights;
   the per-replica copies of the weights themselves are views of the parameters, and their gradient takes
-  the place of the parameters').
+  the place of the parameters'). Under a distributed optimizer (`mesh.optimizer_storage`;
+  training/master_weights.py) the parameters are the resident copy in each weight's compute dtype where the
+  parameter rules put it, and the optimizer state is the float32 master and both moments where the
+  optimizer rules put them, with the gradients' float32 sum (and one micro-batch's, in the compute dtype).
 - Activations kept for the backward pass of one micro-batch, by remat policy:
   `none` keeps every layer's intermediates (with the float32 copies the norms and routers make:
   `_float32_norm_copies`); `full` keeps each layer's input and rebuilds one layer at a time; `dots` keeps
@@ -37,8 +40,8 @@ from meshmoe.models import output
 from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parallel
 from meshmoe.sharding.plan import ParallelPlan
-from meshmoe.training import master_weights
 from meshmoe.sharding.projection_blocks import attention_width
+from meshmoe.training import master_weights
 
 
 @dataclasses.dataclass(frozen=True)
