@@ -15,10 +15,10 @@ moments, placed alike. A step:
      it, then slices), where float32 weights stored whole have theirs all-reduced whole;
    - the weights outside the layer loop (the embedding and output tables, the final norm): their gradients
      are placed as the weights (sharding.shardings.with_weight_placed_gradients) and accumulated there,
-     unsummed; XLA's while-loop all-reduce code motion moves their all-reduce out of the micro-batch loop,
-     once per step. One exception, XLA's: the embedding lookup's gradient (a scatter-add) is formed whole
-     on every device and all-reduced over every token axis per micro-batch (as under weight storage
-     `data`/`all`; cost_collectives.py counts it);
+     unsummed; XLA moves their sum out of the micro-batch loop: once per step (a reduce-scatter on GPUs).
+     One exception, XLA's: the embedding lookup's gradient (a scatter-add) is formed whole on every device
+     and all-reduced over the token axes per micro-batch (at DeepSeek-V3's layout in sub-groups the cost
+     model misses; as under weight storage `data`/`all`; cost_collectives.py counts the whole sum);
 3. slices the sums to the master's placement and updates each slice of the master and the moments on the
    device that holds it.
 
