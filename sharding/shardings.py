@@ -108,7 +108,7 @@ def with_weight_placed_gradients(state: Any) -> Any:
   then waits in the step's accumulator, and XLA moves the all-reduce out of the micro-batch loop
   (training/master_weights.py). Placed like its master instead, Mixtral-8x7B's output table's gradient was
   formed whole on every device and all-reduced per micro-batch (compiled deviceless)."""
-  return _with_placed_gradients(state, "weights", stacked=False, only=lambda logical: logical[:1] != ("layers",))
+  return _with_placed_gradients(state, "weights", stacked=False, only=lambda logical: not is_stacked(logical))
 
 
 def _with_placed_gradients(state: Any, rules: str, stacked: bool, only=lambda logical: True) -> Any:
@@ -134,3 +134,9 @@ def _with_placed_gradients(state: Any, rules: str, stacked: bool, only=lambda lo
   identity.defvjp(lambda *arrays: (arrays, None), backward)
   arrays = identity(*(v[...] for v in variables))
   return jax.tree.unflatten(treedef, [v.replace(a) for v, a in zip(variables, arrays, strict=True)])
+
+
+def is_stacked(logical_axes: Sequence[str | None]) -> bool:
+  """Whether a parameter with these logical axis names is a LayerStack's, with a leading `layers` dimension
+  (the layer loop slices it)."""
+  return bool(logical_axes) and logical_axes[0] == "layers"

@@ -42,10 +42,10 @@ def leaf_names(params: Any) -> list[str]:
 
 def stacked_leaves(params: Any) -> list[bool]:
   """Whether each parameter (in leaves order) is a LayerStack's, with a leading `layers` dimension."""
-  from meshmoe.sharding.shardings import logical_axes_of
+  from meshmoe.sharding.shardings import is_stacked, logical_axes_of
 
   axes = jax.tree.leaves(logical_axes_of(params), is_leaf=lambda x: isinstance(x, tuple))
-  return [bool(a) and a[0] == "layers" for a in axes]
+  return [is_stacked(a) for a in axes]
 
 
 def squared_norms(grads: Any, stacked: Sequence[bool]) -> list[jax.Array]:

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshmoe.sharding.shardings import is_stacked
+
 # Parameters whose layers compute in float32 whatever the model's dtype (module docstring).
 _FLOAT32_LOGICAL_AXES = ("norm", "vocab")
 _FLOAT32_MODULES = ("router",)
@@ -88,8 +90,7 @@ def resident(master: Any, dtypes: Any, shardings: Any) -> Any:
 def accumulator_shardings(params: Any, master_shardings: Any, weight_shardings: Any) -> Any:
   """Where the step's float32 gradient sum of each parameter lies (module docstring, step 2): like its master
   for the layers' stacked weights (their logical axes start with `layers`), like the weight elsewhere."""
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  stacked = jax.tree.map(lambda v: v.get_metadata().get("logical_axes", ("",))[:1] == ("layers",), params,
-                         is_leaf=is_variable)
+  stacked = jax.tree.map(lambda v: is_stacked(v.get_metadata().get("logical_axes", ())), params,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
   return jax.tree.map(lambda layers, master, weight: master if layers else weight, stacked, master_shardings,
                       weight_shardings)
