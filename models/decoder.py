@@ -179,7 +179,7 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = Embed(cfg.vocab_size, cfg.embed_dim, std=cfg.init_std, rngs=rngs)
+    self.embed = Embed(cfg.vocab_size, cfg.embed_dim, std=cfg.init_std, rngs=rngs, tied=cfg.tie_embeddings)
     num_moe = cfg.num_layers - cfg.num_dense_layers
     self.dense_layers = (LayerStack(cfg, True, cfg.num_dense_layers, rngs=rngs)
                          if cfg.num_dense_layers else None)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshmoe.sharding import tensor_parallel
+from meshmoe.sharding import embedding_lookup, tensor_parallel
 from meshmoe.sharding.grouped_ffn import swiglu_hidden  # the one SwiGLU of dense layers and experts
 
 
@@ -43,11 +43,14 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
   """Token embedding; `attend` gives output logits with the same table (tied embeddings)."""
 
-  def __init__(self, vocab_size: int, dim: int, *, std: float, rngs: nnx.Rngs):
+  def __init__(self, vocab_size: int, dim: int, *, std: float, rngs: nnx.Rngs, tied: bool):
     self.table_VD = param(rngs, (vocab_size, dim), ("vocab", "embed"), std)
+    self.tied = tied  # whether `attend` uses the table too (then its gradient is summed as one weight's)
 
   def __call__(self, tokens_BS: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
+    if self.tied:
+      return jnp.take(self.table_VD[...], tokens_BS, axis=0).astype(dtype)
+    return embedding_lookup.lookup(self.table_VD[...], tokens_BS, dtype)
 
   def attend(self, x_BSD: jax.Array) -> jax.Array:
     return jnp.einsum("bsd,vd->bsv", x_BSD, self.table_VD[...].astype(x_BSD.dtype))

@@ -44,7 +44,8 @@ Choices:
   weights and Adam moments are split over every axis (mesh.optimizer_storage="all", the distributed
   optimizer, ZeRO-1 as DeepSeek trained): 2 bytes per parameter resident, 16 split. The xla tier and 480
   micro-batches of 32 sequences. At 128 H100s no layout fits.
-  The planner predicts 14.4% MFU (431.6 s per step, modelled: the routed experts' GEMMs at the kernel
+  The planner predicts 14.4% MFU (431.6 s per step; 434.0 s once the embedding lookup's placed gradient
+  (sharding/embedding_lookup.py) was counted, planner not rerun; modelled: the routed experts' GEMMs at the kernel
   table's rates measured at this expert shape, the rest at its stated 50% GEMM efficiency; 7.5% and 828 s
   before the distributed optimizer, 5.6% and 1104 s for that layout now that the cost model counts the
   embedding gradient XLA all-reduces whole per micro-batch; 3.6% before folding). What is left: the

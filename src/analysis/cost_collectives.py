@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
-from meshmoe.sharding import exchange_formats, expert_parallel, gradient_sync, moe_pipeline
+from meshmoe.sharding import embedding_lookup, exchange_formats, expert_parallel, gradient_sync, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.projection_blocks import attention_weights, attention_width, projection_blocks
 
@@ -287,24 +287,32 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   # same gradient: the sum runs over the token axes that do not also split the weight.
   token_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
   totals: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
-  # XLA partitions the lookup's gradient (a scatter-add) into the whole table on every device, all-reduced
-  # over every token axis once per micro-batch, when the table's gradient is wanted split along D over token
-  # axes (compiled deviceless: DeepSeek-V3's 3.7 GB table over 256 devices), and so the untied output
-  # table's, except under a distributed optimizer, which places it as the weight in the backward pass
-  # (sharding.shardings.with_weight_placed_gradients).
+  # The lookup's gradient, where sharding/embedding_lookup.py places it (the table split over token axes):
+  # the tokens' gradients moved to the table's layout and the partial sums of its slice summed
+  # (`_lookup_gradient`). The untied output table's gradient XLA partitions into the whole table on every
+  # device, all-reduced once per micro-batch, when the table is stored split along D over token axes
+  # (compiled deviceless: DeepSeek-V3's 3.7 GB table, 480 times a step; modelled over every token axis,
+  # compiled over a subgroup of them).
+  lookup_placed = not m.tie_embeddings and embedding_lookup.gradient_layout(lay.plan) is not None
+  if lookup_placed:
+    _lookup_gradient(lay, totals, token_axes)
   whole_tables = 0
-  if _embedding_summed_whole(lay, token_axes):
-    whole_tables = 1 if m.tie_embeddings or lay.plan.distributed_optimizer else 2
+  if m.tie_embeddings and _tied_table_summed_whole(lay, token_axes):
+    whole_tables = 1
+  elif not m.tie_embeddings and _embedding_summed_whole(lay, token_axes):
+    whole_tables = 1
+  if whole_tables:
     axes = lay.in_mesh_order(token_axes)
     totals["all-reduce", axes] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(axes),
                                                                    whole_tables * m.vocab_size * d * 4)
+  tables = (1 if m.tie_embeddings else 2) - whole_tables - lookup_placed
   weights = [
       *((names, elements, m.num_dense_layers + moe_calls, c, True) for names, elements in attention_weights(m)),
       (("embed", "mlp"), d * m.mlp_dim * 3, m.num_dense_layers, c, True),
       (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("embed", None), d * moe.num_experts, num_moe, 4, False),  # router, float32
-      (("vocab", "embed"), m.vocab_size * d * ((1 if m.tie_embeddings else 2) - whole_tables), 1, 4, False),
+      (("vocab", "embed"), m.vocab_size * d * tables, 1, 4, False),
       (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
       (("norm",), (m.kv_lora_rank + m.q_lora_rank) * m.num_layers if m.attention == "mla" else 0, 1, 4, False),
   ]
@@ -345,12 +353,49 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
 
 
 def _embedding_summed_whole(lay: _Layout, token_axes: set[str]) -> bool:
-  """Whether the embedding table's gradient is summed whole per micro-batch (`_weight_gradients`): where the
-  table is stored, or under a distributed optimizer updated, with D split over axes that split the tokens,
-  and the lookup is not the local one of `_embedding_lookup` (D over exactly the batch's axes)."""
-  placed = lay.updated if lay.plan.distributed_optimizer else lay.stored
-  d_axes = set(placed("vocab", "embed")[1])
+  """Whether the untied output table's gradient is summed whole per micro-batch (`_weight_gradients`): where
+  it is stored with D split over axes that split the tokens, and the lookup is not the local one of
+  `_embedding_lookup` (D over exactly the batch's axes)."""
+  d_axes = set(lay.stored("embed", "vocab")[0])
   return bool(d_axes & token_axes) and not _local_lookup(lay)
+
+
+def _tied_table_summed_whole(lay: _Layout, token_axes: set[str]) -> bool:
+  """Whether a tied table's gradient (the lookup's and the output layer's, jnp.take's own partition) is
+  summed whole per micro-batch: where the table is stored, or under a distributed optimizer updated, with D
+  split over axes that split the tokens, and the lookup is not the local one of `_embedding_lookup`."""
+  placed = lay.updated if lay.plan.distributed_optimizer else lay.stored
+  return bool(set(placed("vocab", "embed")[1]) & token_axes) and not _local_lookup(lay)
+
+
+def _lookup_gradient(lay: _Layout, totals: dict, token_axes: set[str]) -> None:
+  """The embedding lookup's gradient as sharding/embedding_lookup.py forms it, per micro-batch: the tokens'
+  gradients [T, D] (compute dtype) sliced along D over the table's D axes that do not split the tokens,
+  all-gathered over the token axes that split the vocabulary, all-to-all'd over those that split D; then the
+  float32 partial sums of each device's table slice summed over the other token axes (`rest`): a
+  reduce-scatter into the master's slices under a distributed optimizer on GPUs, an all-reduce elsewhere.
+  Untied tables only (models/layers.Embed)."""
+  m, t = lay.config.model, lay.config.train
+  layout = embedding_lookup.gradient_layout(lay.plan)
+  vocab_axes, d_axes = ({a for a in dim if lay.size((a,)) > 1} for dim in lay.stored("vocab", "embed"))
+  tokens = t.global_batch_size // t.grad_accum_steps * t.seq_len
+  c = jnp.dtype(m.dtype).itemsize
+  gathered = lay.in_mesh_order(vocab_axes & token_axes)
+  exchanged = lay.in_mesh_order(d_axes & token_axes)
+  # Compiled (DeepSeek-V3 on 256 H100s): the gather first, then the exchange of the gathered rows.
+  rows = tokens / lay.size(tuple(token_axes - vocab_axes)) * m.embed_dim / lay.size(tuple(d_axes - token_axes)) * c
+  totals["all-gather", gathered] += t.grad_accum_steps * moved_bytes("all-gather", lay.size(gathered), rows)
+  totals["all-to-all", exchanged] += t.grad_accum_steps * moved_bytes("all-to-all", lay.size(exchanged), rows)
+  partial = m.vocab_size * m.embed_dim * 4 / lay.size(tuple(vocab_axes | d_axes))
+  rest = set(layout.rest)
+  if lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu":
+    scattered = lay.in_mesh_order({a for dim in lay.updated("vocab", "embed") for a in dim} & rest)
+    totals["reduce-scatter", scattered] += t.grad_accum_steps * moved_bytes(
+        "reduce-scatter", lay.size(scattered), partial / lay.size(scattered))
+    partial /= lay.size(scattered)
+    rest -= set(scattered)
+  summed = lay.in_mesh_order(rest)
+  totals["all-reduce", summed] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(summed), partial)
 
 
 def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:
