@@ -14,15 +14,26 @@ from meshmoe.config_model import ModelConfig
 # Raw sources are tokenized into a cache on first use; "tokenized" reads experiments.tokenize's folders.
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "arrayrecord", "tokenized")
 NAN_POLICIES = ("halt", "skip")
+LR_SCHEDULES = ("cosine", "wsd", "constant")  # optimizer.schedule (training/optimizer.py)
+LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # optimizer.decay_shape
 
 
 @dataclasses.dataclass(kw_only=True)
 class OptimizerConfig:
-  """AdamW with linear warmup then cosine decay to `learning_rate * min_learning_rate_ratio`."""
+  """AdamW; the learning rate rises linearly over `warmup_steps` to `learning_rate`, then follows `schedule`."""
 
-  learning_rate: float = 3e-3
+  learning_rate: float = 3e-3  # the peak
+  # Update n (1, 2, ...) of the warmup runs at learning_rate * n / warmup_steps: the first is not 0.
   warmup_steps: int = 20
-  min_learning_rate_ratio: float = 0.1
+  # After the warmup (training/optimizer.py): "cosine" decays to learning_rate * min_learning_rate_ratio at
+  # the last step (train.steps); "wsd" (warmup-stable-decay) holds the peak, then decays to the same end
+  # over the last `decay_fraction` of the steps, shaped by `decay_shape`; "constant" holds the peak.
+  schedule: str = "cosine"
+  min_learning_rate_ratio: float = 0.1  # "cosine" and "wsd": the last step's rate over the peak
+  decay_fraction: float = 0.2  # "wsd": the share of train.steps that decays (MiniCPM, DeepSeek-V3: 10-30%)
+  # "wsd": "linear", "cosine" (half a cosine) or "1-sqrt" (1 - sqrt(progress), the shape Hägele et al.
+  # 2024 found to match a cosine run's loss at the end).
+  decay_shape: str = "1-sqrt"
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
@@ -115,6 +126,11 @@ def validate_optimizer(o: OptimizerConfig) -> None:
   # Warmup longer than the run is allowed (a short trial run of a long recipe): the rate never peaks.
   check_int("optimizer.warmup_steps", o.warmup_steps, 0, "an integer >= 0")
   check_fraction("optimizer.min_learning_rate_ratio", o.min_learning_rate_ratio, "a number from 0 to 1")
+  check_choice("optimizer.schedule", o.schedule, LR_SCHEDULES)
+  if not is_number(o.decay_fraction) or not 0 < o.decay_fraction <= 1:
+    raise ConfigError("optimizer.decay_fraction", o.decay_fraction, "a number in (0, 1]: the share of train.steps "
+                      "that decays")
+  check_choice("optimizer.decay_shape", o.decay_shape, LR_DECAY_SHAPES)
   for name in ("b1", "b2"):
     value = getattr(o, name)
     if not is_number(value) or not 0 <= value < 1:

@@ -87,7 +87,8 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            "parallel.moe_swiglu_gradient": config_lib.SWIGLU_GRADIENTS,
            "parallel.gradient_compression": config_lib.GRADIENT_COMPRESSIONS,
            **{f"parallel.{name}": config_lib.EXCHANGE_FORMATS for name in config_lib.EXCHANGE_FORMAT_FIELDS},
-           "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES}
+           "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES,
+           "optimizer.schedule": config_lib.LR_SCHEDULES, "optimizer.decay_shape": config_lib.LR_DECAY_SHAPES}
 BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
          "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save",
          "parallel.gradient_error_feedback"]
@@ -116,6 +117,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "model.moe.num_groups": positive_int_bad() | st.integers(min_value=10**4),  # more groups than experts
     "model.moe.top_k_groups": positive_int_bad() | st.integers(min_value=10**4),  # more than the groups
     "optimizer.min_learning_rate_ratio": between_bad(0, 1, low_ok=True, high_ok=True),
+    "optimizer.decay_fraction": between_bad(0, 1, low_ok=False, high_ok=True),
     "optimizer.b1": between_bad(0, 1, low_ok=True, high_ok=False),
     "optimizer.b2": between_bad(0, 1, low_ok=True, high_ok=False),
     "train.seed": not_an_int,

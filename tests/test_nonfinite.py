@@ -126,6 +126,11 @@ def test_skip_drops_the_update_on_device_then_halts_when_told(tmp_path, monkeypa
   records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
   assert [records[s]["loss"] is None for s in range(1, 7)] == [False, False, False, True, False, True]
   assert [records[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 0, 1, 1, 2]
+  # The logged rate is the one each update used: the skipped steps do not advance the warmup (update n of
+  # it runs at peak * n / warmup_steps; steps 4 and 6 are skipped).
+  peak, warmup = config.optimizer.learning_rate, config.optimizer.warmup_steps
+  assert [records[s]["learning_rate"] for s in range(1, 7)] == pytest.approx(
+      [peak * n / warmup for n in (1, 2, 3, 4, 4, 5)], rel=1e-6)
   saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
   assert saved == [1, 2, 3, 4, 5, 6]  # step 7 halted before its checkpoint
   learned = {s: {k: v for k, v in runs.checkpoint_arrays(tmp_path, s).items() if not k.startswith(("['step']",

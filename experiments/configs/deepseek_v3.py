@@ -61,7 +61,8 @@ Choices:
   14.8T tokens / 62.9M = 235K.
 - optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
   warmup steps, down to 2.2e-5 (ratio 0.1). The paper holds the peak until 10T tokens and then decays
-  over 4.3T; meshmoe's schedule is warmup + cosine, so it starts decaying at once.
+  over 4.3T with a cosine: schedule "wsd", decay_fraction 0.29 (4.3T of 14.8T), decay_shape "cosine" (its
+  last 0.5T at 2.2e-5 and 7.3e-6 are not modelled).
 - no z-loss (DeepSeek-V3 has none).
 """
 
@@ -86,8 +87,9 @@ def get_config() -> Config:
       mesh=MeshConfig(data=-1, expert=16, tensor=8, sequence=1, preset="tp_sp", weight_storage="data",
                       expert_axes="data,expert,tensor", optimizer_storage="all"),
       parallel=ParallelConfig(impl="xla"),
-      optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, min_learning_rate_ratio=0.1, b1=0.9,
-                                b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0),
+      optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, schedule="wsd", decay_fraction=0.29,
+                                decay_shape="cosine", min_learning_rate_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+                                weight_decay=0.1, grad_clip_norm=1.0),
       train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=480,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),

@@ -1,14 +1,20 @@
-"""The optimizer: global-norm clipping, then AdamW with warmup + cosine decay and a weight-decay mask.
+"""The optimizer: global-norm clipping, then AdamW with a learning-rate schedule and a weight-decay mask.
 
 Parameters and optimizer state are float32 (the model keeps float32 parameters and casts to the compute
 dtype inside each layer). Weight decay applies to matrices; norms, biases and embeddings are decayed only
 when the config says so. A parameter is classified by its logical axis names (`norm` = a norm scale,
 `vocab` = an embedding or output table) or, for biases, by its name.
+
+The schedule is a function of optax's update count (the updates applied so far: 0 for the first), so a
+step skipped for a non-finite gradient (runtime/nonfinite.py) leaves the rate where it was, and the rate
+the train step logs (`applied_updates` before the update) is the one the update used. Update n of the
+warmup (n = count + 1) runs at peak * n / warmup_steps: the first update moves the parameters.
 """
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -16,11 +22,41 @@ from meshmoe.config import OptimizerConfig
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to `learning_rate`, then cosine decay to `learning_rate * min_learning_rate_ratio`."""
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-      decay_steps=max(total_steps, cfg.warmup_steps + 1),
-      end_value=cfg.learning_rate * cfg.min_learning_rate_ratio)
+  """The rate of the update after `count` applied ones: the linear warmup, then `cfg.schedule` (OptimizerConfig)
+  over the remaining updates, the last of which (count = total_steps - 1) runs at the end rate."""
+  peak, warmup = cfg.learning_rate, cfg.warmup_steps
+  end = peak * cfg.min_learning_rate_ratio
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(peak)
+  elif cfg.schedule == "cosine":  # from the peak at the first update after the warmup to `end` at the last
+    after = _decay("cosine", peak, end, total_steps - warmup)
+  else:  # "wsd": the peak until the last `decay_fraction` of the steps, then the decay
+    decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+    stable_steps = max(total_steps - decay_steps - warmup, 0)
+    decay = _decay(cfg.decay_shape, peak, end, min(decay_steps, total_steps - warmup))
+    after = optax.join_schedules([optax.constant_schedule(peak), decay], [stable_steps])
+  if warmup == 0:
+    return after
+  return optax.join_schedules([lambda count: peak * (count + 1) / warmup, after], [warmup])
+
+
+def _decay(shape: str, peak: float, end: float, steps: int) -> optax.Schedule:
+  """From `peak` at count 0 to `end` at count steps - 1 (`end` throughout when steps <= 1), shaped linear, as
+  half a cosine, or as 1 - sqrt."""
+  if steps <= 1:
+    return optax.constant_schedule(end)
+  span = steps - 1
+  if shape == "linear":
+    return optax.linear_schedule(peak, end, span)
+  if shape == "cosine":
+    return optax.cosine_decay_schedule(peak, span, end / peak)
+  return lambda count: end + (peak - end) * (1 - jnp.sqrt(jnp.clip(count / span, 0.0, 1.0)))
+
+
+def applied_updates(opt_state: Any) -> jax.Array:
+  """How many updates the optimizer has applied (its schedule's count; skipped steps do not count)."""
+  return optax.tree_utils.tree_get(opt_state, "count",
+                                   filtering=lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState")
 
 
 def weight_decay_mask(params: Any, cfg: OptimizerConfig) -> Any:

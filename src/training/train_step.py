@@ -225,7 +225,8 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
     metrics = {
         "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
         "aux_loss": jnp.mean(terms["aux_loss"]), "z_loss": jnp.mean(terms["z_loss"]),
-        "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+        "grad_norm": grad_norm,
+        "learning_rate": schedule(optimizer_lib.applied_updates(state.opt_state)),  # what this update used
         "expert_load": expert_load, "dropped_fraction": jnp.mean(terms["dropped_fraction"], axis=0),
         "tokens": total_tokens, "finite": finite, "grad_sq_norms": grad_sq_norms,
     }
