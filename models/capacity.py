@@ -3,7 +3,8 @@
 With `moe.capacity_factor` set, each expert takes at most C = ceil(capacity_factor * S * K / E) of a
 sequence's assignments, in GShard's priority: every first choice before any second choice, earlier
 positions first. A dropped assignment gets expert id E (the number of experts): the parallel ops never
-send or compute it (meshmoe.sharding.grouped_ffn), so capacity mode runs the dropless path.
+send or compute it (meshmoe.sharding.grouped_ffn), so capacity mode runs the dropless path. A masked
+token's assignments arrive with id E already (MoEBlock.route): they take no slot.
 """
 
 from __future__ import annotations

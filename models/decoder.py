@@ -51,26 +51,30 @@ class DecoderLayer(nnx.Module):
     self.ffn = (SwiGLU(cfg.embed_dim, cfg.mlp_dim, std=cfg.init_std, rngs=rngs) if dense
                 else MoEBlock(cfg, rngs=rngs))
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
-               replicas: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
-    """`replicas`: the MoE's expert weights as per-replica copies (LayerStack), or None."""
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, replicas: ExpertWeights | None = None,
+               mask_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
+    """`replicas`: the MoE's expert weights as per-replica copies (LayerStack), or None. `mask_BS`: the tokens
+    the MoE routes (MoEBlock.route; None: all)."""
     x_BSD = self._attention_block(x_BSD, positions_BS)
     if isinstance(self.ffn, MoEBlock):
-      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, replicas)
+      y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, replicas, mask_BS)
     else:
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD)), None
     return constrain(x_BSD + y_BSD, _RESIDUAL_STREAM), stats
 
-  def two_halves(self, halves: Halves, replicas: ExpertWeights | None = None) -> tuple[Halves, MoEStats]:
+  def two_halves(self, halves: Halves, replicas: ExpertWeights | None = None,
+                 masks: tuple[jax.Array, jax.Array] | None = None) -> tuple[Halves, MoEStats]:
     """The MoE layer on two halves of the rows (module docstring), the same function as `__call__` on the
     whole. Order: A's attention and routing; B's attention while A's tokens travel to their experts; A's
     experts while B's tokens travel; B's experts while A's outputs return. XLA's scheduler places each
     exchange beside the other half's compute; the barriers below keep the halves from being merged.
-    `replicas`: as in `__call__` (both halves' gradients add up before the one compressed sum)."""
+    `replicas`: as in `__call__` (both halves' gradients add up before the one compressed sum); `masks`: the
+    halves' `mask_BS` (as in `__call__`), or None."""
     (xa_BSD, xb_BSD), (positions_a_BS, positions_b_BS) = halves
+    mask_a_BS, mask_b_BS = masks if masks is not None else (None, None)
     xa_BSD = self._attention_block(xa_BSD, positions_a_BS)
     na_BSD = self.ffn_norm(xa_BSD)
-    assignment_a, stats_a = self.ffn.route(na_BSD, positions_a_BS)
+    assignment_a, stats_a = self.ffn.route(na_BSD, positions_a_BS, mask_a_BS)
     # B's attention after A's routing: otherwise XLA merges GEMMs of the two halves that share weights (the
     # router's, the projections') into one, which waits for both halves: A's dispatch would then wait for
     # B's attention instead of running beside it.
@@ -78,7 +82,7 @@ class DecoderLayer(nnx.Module):
     ya_BSD = self.ffn.routed_experts(na_BSD, assignment_a, replicas)
     xb_BSD = self._attention_block(xb_BSD, positions_b_BS)
     nb_BSD = self.ffn_norm(xb_BSD)
-    assignment_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS)
+    assignment_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS, mask_b_BS)
     yb_BSD = self.ffn.routed_experts(nb_BSD, assignment_b, replicas)
     if self.ffn.shared is not None:
       ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
@@ -126,10 +130,11 @@ class LayerStack(nnx.Module):
     self.remat = cfg.remat
     self.moe = not dense
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
-               grad_residual: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats | None]:
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, grad_residual: ExpertWeights | None = None,
+               mask_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
     """Runs the layers in order; MoE statistics come back stacked, one row per layer. `grad_residual`: the error
     feedback of the experts' compressed gradient sum ([layers, replicas, ...] per expert weight), or None.
+    `mask_BS`: the tokens the MoE layers route (MoEBlock.route; None: all).
 
     Where the plan compresses that sum (sharding/gradient_sync.py), the experts' weights of every layer
     become per-replica copies here, before the layer loop, so that the backward pass sums all layers'
@@ -150,16 +155,17 @@ class LayerStack(nnx.Module):
         state, replicas = layer
         state = shardings.with_optimizer_placed_gradients(state, stacked=True)
         return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS,
-                      replicas)
+                      replicas, mask_BS)
 
       return jax.lax.scan(one_layer, x_BSD, (stacked, replicas))
 
     def one_layer_in_halves(halves, layer):
       state, replicas = layer
       state = shardings.with_optimizer_placed_gradients(state, stacked=True)
-      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas)
+      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas, masks)
 
     halves = (split_halves(x_BSD, _RESIDUAL_STREAM), split_halves(positions_BS, _RESIDUAL_STREAM[:2]))
+    masks = None if mask_BS is None else split_halves(mask_BS, _RESIDUAL_STREAM[:2])
     ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, (stacked, replicas))
     return join_halves(xa_BSD, xb_BSD, _RESIDUAL_STREAM), stats
 
@@ -200,9 +206,11 @@ class Transformer(nnx.Module):
     return constrain(logits_BSV, output.LOGITS), aux
 
   def hidden_states(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
-                    grad_residual: ExpertWeights | None = None) -> tuple[jax.Array, ModelAux]:
+                    grad_residual: ExpertWeights | None = None,
+                    mask_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
     """The final-normed float32 hidden states [B, S, D], which the output layer turns into logits, and the
-    MoE statistics. `grad_residual`: the MoE layers' error-feedback inputs (LayerStack), given by train steps."""
+    MoE statistics. `grad_residual`: the MoE layers' error-feedback inputs (LayerStack), given by train steps.
+    `mask_BS`: the tokens the MoE layers route and count (MoEBlock.route; None: all)."""
     dtype = jnp.dtype(self.cfg.dtype)
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
@@ -211,7 +219,7 @@ class Transformer(nnx.Module):
       x_BSD, _ = self.dense_layers(x_BSD, positions_BS)
     stats = None
     if self.moe_layers is not None:
-      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, grad_residual)
+      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, grad_residual, mask_BS)
     return self.final_norm(x_BSD).astype(jnp.float32), _collect(stats, self.cfg.moe.num_experts)
 
   def output_weight(self) -> tuple[jax.Array, bool]:
@@ -260,9 +268,10 @@ def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Arra
   as `positions_BS` (default 0..S-1).
 
   The cross-entropy is computed from the final hidden states in chunks of tokens (models/output.py), so
-  the float32 logits [B, S, V] never exist whole at a large vocabulary (`ModelConfig.logits_chunk_bytes`)."""
+  the float32 logits [B, S, V] never exist whole at a large vocabulary (`ModelConfig.logits_chunk_bytes`).
+  A token the mask leaves out (padding) counts in no loss or statistic: the MoE layers do not route it."""
   mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
-  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, grad_residual)
+  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, grad_residual, mask_BS)
   weight, tied = model.output_weight()
   ce_sum = output.cross_entropy_sum(x_BSD, weight, targets_BS, mask_BS, tied=tied,
                                     chunk_bytes=model.cfg.logits_chunk_bytes)

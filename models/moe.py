@@ -22,21 +22,24 @@ class MoEStats:
   aux_loss: jax.Array  # scalar load-balancing loss
   z_loss: jax.Array  # scalar router z-loss
   load_E: jax.Array  # assignments per expert in this batch
-  dropped_fraction: jax.Array  # share of the B*S*K assignments dropped by capacity (0 when dropless)
+  dropped_fraction: jax.Array  # share of the unmasked tokens' assignments dropped by capacity (0: dropless)
   score_mean_E: jax.Array  # mean normalised router score per expert (what the aux loss weighs the load by)
+  tokens: jax.Array  # the unmasked tokens the statistics are over
 
 
 jax.tree_util.register_dataclass(MoEStats)
 
 
 def merge_halves(a: MoEStats, b: MoEStats) -> MoEStats:
-  """The statistics of a batch from those of its two halves of equal token counts (the two-halves layer
-  schedule, decoder.py): loads add; means average; the aux loss is recomputed from the merged terms, as
-  the whole batch's would be (it is not linear in them)."""
+  """The statistics of a batch from those of its two halves (the two-halves layer schedule, decoder.py):
+  loads and token counts add; means are weighted by the halves' unmasked tokens; the aux loss is
+  recomputed from the merged terms, as the whole batch's would be (it is not linear in them)."""
+  tokens = a.tokens + b.tokens
+  mean = lambda x, y: (x * a.tokens + y * b.tokens) / jnp.maximum(tokens, 1.0)
   load_E = a.load_E + b.load_E
-  score_mean_E = (a.score_mean_E + b.score_mean_E) / 2
-  return MoEStats(load_balancing_loss(load_E, score_mean_E), (a.z_loss + b.z_loss) / 2, load_E,
-                  (a.dropped_fraction + b.dropped_fraction) / 2, score_mean_E)
+  score_mean_E = mean(a.score_mean_E, b.score_mean_E)
+  return MoEStats(load_balancing_loss(load_E, score_mean_E), mean(a.z_loss, b.z_loss), load_E,
+                  mean(a.dropped_fraction, b.dropped_fraction), score_mean_E, tokens)
 
 
 # Each token's experts and combine weights, as `route` decides them: (experts_BSK int32, weights_BSK float32).
@@ -57,29 +60,38 @@ class MoEBlock(nnx.Module):
                    if moe.num_shared_experts else None)
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
-               replicas: ExpertWeights | None = None) -> tuple[jax.Array, MoEStats]:
+               replicas: ExpertWeights | None = None, mask_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted; `replicas`:
-    see `routed_experts`."""
-    assignment, stats = self.route(x_BSD, positions_BS)
+    see `routed_experts`; `mask_BS`: see `route`."""
+    assignment, stats = self.route(x_BSD, positions_BS, mask_BS)
     y_BSD = self.routed_experts(x_BSD, assignment, replicas)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
     return y_BSD, stats
 
-  def route(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None) -> tuple[ExpertAssignment, MoEStats]:
-    """Each token's experts (id E where capacity drops the assignment) and combine weights."""
+  def route(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
+            mask_BS: jax.Array | None = None) -> tuple[ExpertAssignment, MoEStats]:
+    """Each token's experts (id E where capacity drops the assignment) and combine weights. A token whose
+    `mask_BS` is 0 (padding, or any token the loss ignores) is routed nowhere: its experts are id E, so no
+    path sends or computes it (its output is the shared experts' alone), it takes no capacity slot, and it
+    counts in no statistic (Router)."""
     b, s, _ = x_BSD.shape
     num_experts = self.cfg.num_experts
-    routing = self.router(x_BSD)
+    routing = self.router(x_BSD, mask_BS)
     experts_BSK = routing.experts_TK
+    if mask_BS is not None:
+      experts_BSK = jnp.where((mask_BS != 0)[..., None], experts_BSK, num_experts)
     dropped_fraction = jnp.zeros((), jnp.float32)
     if self.cfg.capacity_factor is not None:
       if positions_BS is None:
         positions_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
       kept_BSK = capacity_keep(experts_BSK, positions_BS, num_experts, self.cfg.capacity_factor)
+      routed_BSK = experts_BSK < num_experts
+      dropped = jnp.sum((routed_BSK & ~kept_BSK).astype(jnp.float32))
+      dropped_fraction = dropped / jnp.maximum(routing.tokens * self.cfg.top_k, 1.0)
       experts_BSK = jnp.where(kept_BSK, experts_BSK, num_experts)  # id E: never sent, never computed
-      dropped_fraction = 1.0 - jnp.mean(kept_BSK.astype(jnp.float32))
-    stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction, routing.score_mean_E)
+    stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction, routing.score_mean_E,
+                     routing.tokens)
     return (experts_BSK, routing.weights_TK), stats
 
   def routed_experts(self, x_BSD: jax.Array, assignment: ExpertAssignment,

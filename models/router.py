@@ -10,6 +10,8 @@
 - Load-balancing loss (Switch Transformer): E * sum_e f_e * p_e, with f_e the fraction of the T*K
   assignments that went to expert e and p_e the mean normalised score of expert e. It is 1 when balanced.
 - Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+- A token mask (0 for padding and any token the loss ignores) keeps masked tokens out of every statistic:
+  the load, the mean scores, both losses. (MoEBlock.route also keeps them from being dispatched.)
 - The choice is k rounds of argmax (`top_k_experts`), not `lax.top_k`: XLA's GPU SPMD partitioner does not
   split a top-k over tokens; it all-gathers every token's scores to every device and sorts them all there.
 """
@@ -38,8 +40,9 @@ class Routing:
   weights_TK: jax.Array  # float32 combine weights
   aux_loss: jax.Array  # scalar load-balancing loss
   z_loss: jax.Array  # scalar router z-loss
-  load_E: jax.Array  # float32 number of assignments per expert
+  load_E: jax.Array  # float32 number of assignments per expert (of the unmasked tokens)
   score_mean_E: jax.Array  # mean normalised score per expert (p_e of the load-balancing loss)
+  tokens: jax.Array  # float32 number of unmasked tokens the statistics are over
 
 
 jax.tree_util.register_dataclass(Routing)
@@ -53,11 +56,19 @@ class Router(nnx.Module):
     self.bias_E = ExpertBias(jnp.zeros((cfg.num_experts,), jnp.float32), logical_axes=(None,)) \
         if cfg.expert_bias else None
 
-  def __call__(self, x_TD: jax.Array) -> Routing:
+  def __call__(self, x_TD: jax.Array, mask_T: jax.Array | None = None) -> Routing:
     """Routes tokens x[..., D]. Keeping the batch and sequence dimensions apart (no reshape to [B*S, D])
-    lets a sequence split over devices stay split: flattening it would force a gather."""
+    lets a sequence split over devices stay split: flattening it would force a gather. `mask_T` (x's token
+    dimensions; nonzero = counted) leaves the masked tokens out of the statistics (module docstring)."""
     cfg = self.cfg
     token_dims = tuple(range(x_TD.ndim - 1))
+    counted_T = (jnp.ones(x_TD.shape[:-1], jnp.float32) if mask_T is None
+                 else (mask_T != 0).astype(jnp.float32))
+    tokens = jnp.sum(counted_T)
+
+    def mean_over_tokens(v_T):  # over the counted tokens; v_T has x's token dimensions, maybe one more
+      weights = counted_T.reshape(counted_T.shape + (1,) * (v_T.ndim - counted_T.ndim))
+      return jnp.sum(v_T * weights, axis=token_dims) / jnp.maximum(tokens, 1.0)
     logits_TE = jnp.einsum("...d,de->...e", x_TD.astype(jnp.float32), self.kernel_DE[...])
     if cfg.score_fn == "softmax":
       scores_TE = jax.nn.softmax(logits_TE, axis=-1)
@@ -72,19 +83,20 @@ class Router(nnx.Module):
       weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
     weights_TK = weights_TK * cfg.routed_scaling
 
-    load_E = jnp.sum(jax.nn.one_hot(experts_TK, cfg.num_experts, dtype=jnp.float32), axis=token_dims + (-2,))
+    assigned_TKE = jax.nn.one_hot(experts_TK, cfg.num_experts, dtype=jnp.float32) * counted_T[..., None, None]
+    load_E = jnp.sum(assigned_TKE, axis=token_dims + (-2,))
     # Sigmoid scores do not sum to one; normalise per token so p_e is a distribution like softmax's.
     probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
-    score_mean_E = jnp.mean(probs_TE, axis=token_dims)
-    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+    score_mean_E = mean_over_tokens(probs_TE)
+    z_loss = mean_over_tokens(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
     return Routing(experts_TK.astype(jnp.int32), weights_TK, load_balancing_loss(load_E, score_mean_E), z_loss,
-                   load_E, score_mean_E)
+                   load_E, score_mean_E, tokens)
 
 
 def load_balancing_loss(load_E: jax.Array, score_mean_E: jax.Array) -> jax.Array:
   """E * sum_e f_e * p_e (module docstring): f_e is expert e's share of the assignments (load_E counts
   every token's K choices, so it sums to T*K exactly), p_e its mean normalised score."""
-  fraction_E = load_E / jnp.sum(load_E)
+  fraction_E = load_E / jnp.maximum(jnp.sum(load_E), 1.0)  # no assignments (every token masked): 0
   return load_E.shape[-1] * jnp.sum(fraction_E * score_mean_E)
 
 
