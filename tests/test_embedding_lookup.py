@@ -59,7 +59,8 @@ def _placed_gradient(plan, table, tokens, weights):
   return np.asarray(compiled(*args)), compiled.as_text()
 
 
-@pytest.mark.parametrize("sizes,preset,storage,rest", PLACED, ids=[f"{p}-{s}-{m[0]}x{m[1]}x{m[2]}x{m[3]}" for m, p, s, _ in PLACED])
+@pytest.mark.parametrize("sizes,preset,storage,rest", PLACED,
+                         ids=[f"{p}-{s}-{'x'.join(map(str, m))}" for m, p, s, _ in PLACED])
 def test_placed_gradient_equals_take_and_moves_no_whole_table(sizes, preset, storage, rest):
   config, plan = _plan(sizes, preset, storage)
   layout = embedding_lookup.gradient_layout(plan)

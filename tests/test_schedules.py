@@ -38,7 +38,8 @@ def reference_rate(cfg: OptimizerConfig, total: int, count: int) -> float:
 CASES = [  # (schedule, warmup, total, decay fraction, decay shape)
     ("cosine", 5, 40, 0.2, "1-sqrt"), ("cosine", 0, 7, 0.2, "1-sqrt"), ("cosine", 50, 20, 0.2, "1-sqrt"),
     ("wsd", 5, 40, 0.25, "1-sqrt"), ("wsd", 5, 40, 0.25, "linear"), ("wsd", 3, 31, 0.3, "cosine"),
-    ("wsd", 0, 10, 1.0, "linear"), ("wsd", 8, 10, 0.5, "1-sqrt"), ("wsd", 4, 20, 0.01, "cosine"), ("cosine", 6, 7, 0.2, "linear"),
+    ("wsd", 0, 10, 1.0, "linear"), ("wsd", 8, 10, 0.5, "1-sqrt"), ("wsd", 4, 20, 0.01, "cosine"),
+    ("cosine", 6, 7, 0.2, "linear"),
     ("constant", 5, 12, 0.2, "1-sqrt"), ("constant", 0, 3, 0.2, "1-sqrt"),
 ]
 

@@ -55,8 +55,8 @@ def _decay(shape: str, peak: float, end: float, steps: int) -> optax.Schedule:
 
 def applied_updates(opt_state: Any) -> jax.Array:
   """How many updates the optimizer has applied (its schedule's count; skipped steps do not count)."""
-  return optax.tree_utils.tree_get(opt_state, "count",
-                                   filtering=lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState")
+  of_schedule = lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"
+  return optax.tree_utils.tree_get(opt_state, "count", filtering=of_schedule)
 
 
 def weight_decay_mask(params: Any, cfg: OptimizerConfig) -> Any:
