@@ -44,6 +44,10 @@ class GradientLayout(NamedTuple):
   table: PartitionSpec  # the table's gradient [V, D]: as the table is stored
   tokens: PartitionSpec  # the tokens' gradients [T, D] once moved: T over `rest`, D as the table's
   rest: tuple[str, ...]  # token axes the table does not split: their devices' slices are partial sums
+  # The token ids [B, S] as the model places them. Pinned in the forward pass: left free, the backward's
+  # placement of them propagates into the forward's gather, which XLA's partitioner then fails on (a CHECK
+  # in PartitionGatherOperandPassthroughDimensions, tp_sp 2x1x2x2, jax 0.11.2).
+  ids: PartitionSpec = PartitionSpec()
 
 
 def gradient_layout(plan) -> GradientLayout | None:
@@ -60,7 +64,7 @@ def gradient_layout(plan) -> GradientLayout | None:
   if set(d_axes) == set(batch_axes) and not seq_axes:  # GSPMD's local lookup (FSDP)
     return None
   rest = tuple(a for a in plan.mesh.axis_names if a in token_axes and a not in vocab_axes + d_axes)
-  return GradientLayout(table, parallel.spec_of(rest, parallel.dim_axes(table, 1)), rest)
+  return GradientLayout(table, parallel.spec_of(rest, parallel.dim_axes(table, 1)), rest, tokens)
 
 
 def lookup(table_VD: jax.Array, tokens_BS: jax.Array, dtype) -> jax.Array:
@@ -79,6 +83,8 @@ def _placed_lookup(table_VD, tokens_BS, dtype, static):
 
 
 def _forward(table_VD, tokens_BS, dtype, static):
+  _, _, mesh, layout = static
+  tokens_BS = jax.lax.with_sharding_constraint(tokens_BS, NamedSharding(mesh, layout.ids))
   return _placed_lookup(table_VD, tokens_BS, dtype, static), tokens_BS
 
 
