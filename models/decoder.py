@@ -88,8 +88,9 @@ class DecoderLayer(nnx.Module):
       ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
       nb_BSD, ya_BSD = jax.lax.optimization_barrier((nb_BSD, ya_BSD))  # the same for the shared experts
       yb_BSD = yb_BSD + self.ffn.shared(nb_BSD)
+    stats = merge_halves(stats_a, stats_b, per_sequence=self.ffn.cfg.balance_loss == "sequence")
     return ((constrain(xa_BSD + ya_BSD, _RESIDUAL_STREAM), constrain(xb_BSD + yb_BSD, _RESIDUAL_STREAM)),
-            (positions_a_BS, positions_b_BS)), merge_halves(stats_a, stats_b)
+            (positions_a_BS, positions_b_BS)), stats
 
   def _attention_block(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
     return constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL_STREAM)

@@ -130,7 +130,8 @@ def _yarn(hf: dict) -> dict:
 # parameter's shape and the function the model computes) comes from config.json, including fields added
 # to ModelConfig later, until they are listed here.
 _RUN_FIELDS = {"dtype", "remat", "logits_chunk_bytes", "init_std"}
-_RUN_MOE_FIELDS = {"capacity_factor", "aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"}
+_RUN_MOE_FIELDS = {"capacity_factor", "aux_loss_weight", "balance_loss", "z_loss_weight",
+                   "expert_bias_update_rate"}
 
 
 def folder_of(init_from: str) -> pathlib.Path:

@@ -25,21 +25,27 @@ class MoEStats:
   dropped_fraction: jax.Array  # share of the unmasked tokens' assignments dropped by capacity (0: dropless)
   score_mean_E: jax.Array  # mean normalised router score per expert (what the aux loss weighs the load by)
   tokens: jax.Array  # the unmasked tokens the statistics are over
+  sequences: jax.Array  # the sequences with an unmasked token
 
 
 jax.tree_util.register_dataclass(MoEStats)
 
 
-def merge_halves(a: MoEStats, b: MoEStats) -> MoEStats:
+def merge_halves(a: MoEStats, b: MoEStats, per_sequence: bool) -> MoEStats:
   """The statistics of a batch from those of its two halves (the two-halves layer schedule, decoder.py):
-  loads and token counts add; means are weighted by the halves' unmasked tokens; the aux loss is
-  recomputed from the merged terms, as the whole batch's would be (it is not linear in them)."""
-  tokens = a.tokens + b.tokens
+  loads and counts add; means are weighted by the halves' unmasked tokens; the aux loss is recomputed
+  from the merged terms, as the whole batch's would be (it is not linear in them), or, `per_sequence`
+  (balance_loss="sequence": a mean over sequences), weighted by the halves' sequences."""
+  tokens, sequences = a.tokens + b.tokens, a.sequences + b.sequences
   mean = lambda x, y: (x * a.tokens + y * b.tokens) / jnp.maximum(tokens, 1.0)
   load_E = a.load_E + b.load_E
   score_mean_E = mean(a.score_mean_E, b.score_mean_E)
-  return MoEStats(load_balancing_loss(load_E, score_mean_E), mean(a.z_loss, b.z_loss), load_E,
-                  mean(a.dropped_fraction, b.dropped_fraction), score_mean_E, tokens)
+  if per_sequence:
+    aux_loss = (a.aux_loss * a.sequences + b.aux_loss * b.sequences) / jnp.maximum(sequences, 1.0)
+  else:
+    aux_loss = load_balancing_loss(load_E, score_mean_E)
+  return MoEStats(aux_loss, mean(a.z_loss, b.z_loss), load_E, mean(a.dropped_fraction, b.dropped_fraction),
+                  score_mean_E, tokens, sequences)
 
 
 # Each token's experts and combine weights, as `route` decides them: (experts_BSK int32, weights_BSK float32).
@@ -91,7 +97,7 @@ class MoEBlock(nnx.Module):
       dropped_fraction = dropped / jnp.maximum(routing.tokens * self.cfg.top_k, 1.0)
       experts_BSK = jnp.where(kept_BSK, experts_BSK, num_experts)  # id E: never sent, never computed
     stats = MoEStats(routing.aux_loss, routing.z_loss, routing.load_E, dropped_fraction, routing.score_mean_E,
-                     routing.tokens)
+                     routing.tokens, routing.sequences)
     return (experts_BSK, routing.weights_TK), stats
 
   def routed_experts(self, x_BSD: jax.Array, assignment: ExpertAssignment,

@@ -9,6 +9,8 @@
   not an nnx.Param: optimizers skip it and `update_expert_bias` moves it from the observed load.
 - Load-balancing loss (Switch Transformer): E * sum_e f_e * p_e, with f_e the fraction of the T*K
   assignments that went to expert e and p_e the mean normalised score of expert e. It is 1 when balanced.
+  `balance_loss="batch"`: over all the tokens routed together (a micro-batch, every device's); "sequence":
+  over each sequence's tokens, then averaged over the sequences (DeepSeek-V3's sequence-wise loss).
 - Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
 - A token mask (0 for padding and any token the loss ignores) keeps masked tokens out of every statistic:
   the load, the mean scores, both losses. (MoEBlock.route also keeps them from being dispatched.)
@@ -43,6 +45,7 @@ class Routing:
   load_E: jax.Array  # float32 number of assignments per expert (of the unmasked tokens)
   score_mean_E: jax.Array  # mean normalised score per expert (p_e of the load-balancing loss)
   tokens: jax.Array  # float32 number of unmasked tokens the statistics are over
+  sequences: jax.Array  # float32 number of sequences with an unmasked token (the sequence-wise loss's)
 
 
 jax.tree_util.register_dataclass(Routing)
@@ -89,15 +92,35 @@ class Router(nnx.Module):
     probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
     score_mean_E = mean_over_tokens(probs_TE)
     z_loss = mean_over_tokens(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-    return Routing(experts_TK.astype(jnp.int32), weights_TK, load_balancing_loss(load_E, score_mean_E), z_loss,
-                   load_E, score_mean_E, tokens)
+    # Sequences: the leading dimension of [B, S] tokens (one sequence for [T]).
+    per_sequence = lambda v: v.reshape((x_TD.shape[0] if x_TD.ndim > 2 else 1, -1) + v.shape[x_TD.ndim - 1:])
+    sequence_loss, sequences = sequence_balance_loss(per_sequence(assigned_TKE), per_sequence(probs_TE),
+                                                     per_sequence(counted_T))
+    aux_loss = sequence_loss if cfg.balance_loss == "sequence" else load_balancing_loss(load_E, score_mean_E)
+    return Routing(experts_TK.astype(jnp.int32), weights_TK, aux_loss, z_loss, load_E, score_mean_E, tokens,
+                   sequences)
 
 
 def load_balancing_loss(load_E: jax.Array, score_mean_E: jax.Array) -> jax.Array:
   """E * sum_e f_e * p_e (module docstring): f_e is expert e's share of the assignments (load_E counts
-  every token's K choices, so it sums to T*K exactly), p_e its mean normalised score."""
-  fraction_E = load_E / jnp.maximum(jnp.sum(load_E), 1.0)  # no assignments (every token masked): 0
-  return load_E.shape[-1] * jnp.sum(fraction_E * score_mean_E)
+  every token's K choices, so it sums to T*K exactly), p_e its mean normalised score. Leading dimensions
+  are independent losses."""
+  fraction_E = load_E / jnp.maximum(jnp.sum(load_E, axis=-1, keepdims=True), 1.0)  # no assignments: 0
+  return load_E.shape[-1] * jnp.sum(fraction_E * score_mean_E, axis=-1)
+
+
+def sequence_balance_loss(assigned_BSKE: jax.Array, probs_BSE: jax.Array,
+                          counted_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(The load-balancing loss of each sequence's counted tokens averaged over the sequences that have any,
+  their number): DeepSeek-V3's sequence-wise balance loss. `assigned_BSKE`: the one-hot choices of the
+  counted tokens; `probs_BSE`: the normalised scores; `counted_BS`: 1 for a counted token."""
+  load_BE = jnp.sum(assigned_BSKE, axis=(1, 2))
+  tokens_B = jnp.sum(counted_BS, axis=1)
+  score_mean_BE = jnp.sum(probs_BSE * counted_BS[..., None], axis=1) / jnp.maximum(tokens_B, 1.0)[:, None]
+  has_tokens_B = (tokens_B > 0).astype(jnp.float32)
+  sequences = jnp.sum(has_tokens_B)
+  loss = jnp.sum(load_balancing_loss(load_BE, score_mean_BE) * has_tokens_B) / jnp.maximum(sequences, 1.0)
+  return loss, sequences
 
 
 def top_k_experts(scores_TE: jax.Array, k: int) -> jax.Array:

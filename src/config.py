@@ -20,8 +20,8 @@ checked where the table lives, when the run's parallel plan is built (meshmoe.sh
 import dataclasses
 
 from meshmoe.config_checks import ConfigError
-from meshmoe.config_model import (ATTENTION_TYPES, DTYPES, REMAT_POLICIES, SCORE_FNS, ModelConfig, MoEConfig,
-                                  validate_model)
+from meshmoe.config_model import (ATTENTION_TYPES, BALANCE_LOSSES, DTYPES, REMAT_POLICIES, SCORE_FNS, ModelConfig,
+                                  MoEConfig, validate_model)
 from meshmoe.config_parallel import (ATTENTION_KERNELS, ATTENTION_KINDS, EXCHANGE_FORMAT_FIELDS, EXCHANGE_FORMATS,
                                      GEMM_FORMS, GEMM_IMPLEMENTATIONS, GRADIENT_COMPRESSIONS, GROUPED_GEMMS, IMPLS,
                                      KERNEL_BACKENDS, KERNEL_TILES, LAYER_SCHEDULES, MESH_AXES, PRESETS,
@@ -47,7 +47,7 @@ __all__ = [
     "ATTENTION_KINDS", "ATTENTION_KERNELS", "XLA_FLAG_PRESETS", "GROUPED_GEMMS", "GEMM_FORMS", "GEMM_IMPLEMENTATIONS",
     "EXCHANGE_FORMATS", "EXCHANGE_FORMAT_FIELDS", "LAYER_SCHEDULES", "SWIGLU_GRADIENTS", "GRADIENT_COMPRESSIONS",
     "DTYPES", "SCORE_FNS", "ATTENTION_TYPES", "REMAT_POLICIES", "DATA_SOURCES", "NAN_POLICIES",
-    "LR_SCHEDULES", "LR_DECAY_SHAPES",
+    "LR_SCHEDULES", "LR_DECAY_SHAPES", "BALANCE_LOSSES",
 ]
 
 

@@ -12,6 +12,7 @@ from meshmoe.config_checks import (ConfigError, check_bool, check_choice, check_
 
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
+BALANCE_LOSSES = ("batch", "sequence")  # model.moe.balance_loss (models/router.py)
 ATTENTION_TYPES = ("gqa", "mla")
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -35,6 +36,10 @@ class MoEConfig:
   expert_bias: bool = False
   expert_bias_update_rate: float = 1e-3
   aux_loss_weight: float = 0.01  # Switch-style load-balancing loss
+  # What the load-balancing loss balances: "batch", each micro-batch's tokens over all devices (the loads
+  # summed over the data replicas before the loss); "sequence", each sequence's, averaged over the
+  # sequences (DeepSeek-V3's complementary sequence-wise loss).
+  balance_loss: str = "batch"
   z_loss_weight: float = 1e-3  # router z-loss (ST-MoE)
   # None: dropless (every token reaches its k experts). A number: each expert takes at most
   # ceil(capacity_factor * tokens * top_k / num_experts) tokens per sequence; the rest are dropped and counted.
@@ -145,6 +150,7 @@ def validate_moe(moe: MoEConfig) -> None:
                       f"at most model.moe.num_experts={moe.num_experts} (each token picks distinct experts)")
   check_int("model.moe.num_shared_experts", moe.num_shared_experts, 0, "an integer >= 0")
   check_choice("model.moe.score_fn", moe.score_fn, SCORE_FNS)
+  check_choice("model.moe.balance_loss", moe.balance_loss, BALANCE_LOSSES)
   check_bool("model.moe.normalize_top_k", moe.normalize_top_k)
   check_bool("model.moe.expert_bias", moe.expert_bias)
   check_positive_float("model.moe.routed_scaling", moe.routed_scaling)

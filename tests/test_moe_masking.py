@@ -18,18 +18,22 @@ from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
 MESH_FIELDS = ("data", "expert", "tensor", "sequence")
 PADDED_LEN, REAL_LEN = 16, 11  # every row: 11 counted tokens, then 5 masked ones
-# (mesh sizes, preset, tier, layer schedule, context-parallel attention, capacity factor). Capacity 0.5
-# gives each expert ceil(0.5 * S * 2 / 8) = 2 slots per sequence at S = 16 and at S = 11 alike, so the
-# padded batch and the cut one drop the same assignments.
+# (mesh sizes, preset, tier, layer schedule, context-parallel attention, capacity factor or "sequence": the
+# sequence-wise balance loss). Capacity 0.5 gives each expert ceil(0.5 * S * 2 / 8) = 2 slots per sequence
+# at S = 16 and at S = 11 alike, so the padded batch and the cut one drop the same assignments.
 LAYOUTS = [((1, 1, 1, 1), "dp", "xla", "sequential", "allgather", None),
            ((2, 4, 1, 1), "ep", "xla", "sequential", "allgather", None),
            ((2, 4, 1, 1), "ep", "xla", "sequential", "allgather", 0.5),
            ((2, 2, 1, 2), "megascale", "reference", "two_halves", "ring", None),
+           ((2, 2, 1, 2), "megascale", "reference", "two_halves", "ring", "sequence"),
            ((2, 2, 2, 1), "tp_sp", "xla", "sequential", "allgather", None)]
 
 
-def _config(seq_len: int, capacity_factor=None):
-  config = small_config(capacity_factor=capacity_factor)
+def _config(seq_len: int, variant=None):
+  """small_config with three layers; `variant`: a capacity factor, or "sequence" (the sequence-wise loss)."""
+  config = small_config(capacity_factor=None if variant in (None, "sequence") else variant)
+  if variant == "sequence":
+    config.model.moe.balance_loss = "sequence"
   config.model.num_layers = 3  # a dense layer, then two MoE layers: the second routes the first's outputs
   config.train.seq_len = seq_len
   return config
@@ -84,7 +88,7 @@ def test_padding_changes_no_routing_statistic_or_loss(sizes, preset, impl, sched
   assert np.all(terms["expert_load"].sum(axis=-1) == 8 * REAL_LEN * config.model.moe.top_k)  # the choices
   for name in ("aux_loss", "z_loss", "ce_sum", "dropped_fraction"):
     assert_close(terms[name], reference[name], FP32_MODEL_RTOL, name)
-  if capacity is not None:
+  if capacity not in (None, "sequence"):
     assert terms["dropped_fraction"].min() > 0  # the capacity binds
 
 

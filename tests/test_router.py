@@ -138,6 +138,42 @@ def test_balance_loss_matches_formula_and_penalises_imbalance():
 
 
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_sequence_wise_balance_loss_and_masked_statistics_match_numpy(score_fn):
+  """balance_loss="sequence" (DeepSeek-V3's sequence-wise loss) with a token mask: the loss of each
+  sequence's counted tokens, E * sum_e f_e * P_e (f_e their share of the sequence's assignments, P_e their
+  mean normalised score), averaged over the sequences with a counted token; the load, the batch loss and
+  the z-loss over the counted tokens only."""
+  router = _router(score_fn=score_fn, balance_loss="sequence")
+  x = jax.random.normal(jax.random.key(5), (4, 6, D))
+  mask = np.ones((4, 6), np.float32)
+  mask[1, 3:] = 0  # padding
+  mask[2] = 0  # a sequence with no counted token: left out of the mean
+  mask[3, 0] = 0
+  out = router(x, jnp.asarray(mask))
+  logits = np.asarray(x, np.float64) @ np.asarray(router.kernel_DE[...], np.float64)
+  scores = _softmax(logits) if score_fn == "softmax" else 1 / (1 + np.exp(-logits))
+  probs = scores / scores.sum(-1, keepdims=True)
+  choice = np.argsort(-scores, axis=-1, kind="stable")[..., :2]
+  losses, load = [], np.zeros(E)
+  for row in range(4):
+    counted = mask[row] > 0
+    if not counted.any():
+      continue
+    counts = np.bincount(choice[row][counted].reshape(-1), minlength=E)
+    load += counts
+    losses.append(E * np.sum(counts / counts.sum() * probs[row][counted].mean(0)))
+  assert_close(out.aux_loss, np.mean(losses), FP32_MODULE_RTOL, "sequence-wise loss")
+  np.testing.assert_array_equal(np.asarray(out.load_E), load)
+  assert float(out.tokens) == mask.sum() and float(out.sequences) == 3
+  z = np.log(np.exp(logits).sum(-1)) ** 2
+  assert_close(out.z_loss, z[mask > 0].mean(), FP32_MODULE_RTOL, "z loss")
+  batch = _router(score_fn=score_fn)
+  batch.kernel_DE[...] = router.kernel_DE[...]
+  batch_loss = E * np.sum(load / load.sum() * probs[mask > 0].mean(0))
+  assert_close(batch(x, jnp.asarray(mask)).aux_loss, batch_loss, FP32_MODULE_RTOL, "batch loss, masked")
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 def test_router_losses_have_gradients(score_fn):
   router = _router(score_fn=score_fn)
   graphdef, params = nnx.split(router)

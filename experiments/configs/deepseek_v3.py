@@ -14,9 +14,10 @@ Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of widt
 blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the same width. Routing: sigmoid
 scores, top-8, the chosen eight renormalised and scaled by 2.5, with the aux-loss-free per-expert
 selection bias (expert_bias, update rate 1e-3 as in the paper's first 14.3T tokens) and a tiny balance
-loss (1e-4, the paper's alpha). Vocabulary 129280, untied embeddings, RMSNorm eps 1e-6, init std 0.006
-(the paper's), RoPE theta 1e4 (interleaved pairs, as DeepSeek rotates) and max_seq_len 4096, the
-pre-training length (the 32K/128K extension adds YaRN: model.yarn_factor and the yarn_* fields).
+loss (1e-4, the paper's alpha) over each sequence (balance_loss "sequence", the paper's sequence-wise
+loss). Vocabulary 129280, untied embeddings, RMSNorm eps 1e-6, init std 0.006 (the paper's), RoPE theta
+1e4 (interleaved pairs, as DeepSeek rotates) and max_seq_len 4096, the pre-training length (the 32K/128K
+extension adds YaRN: model.yarn_factor and the yarn_* fields).
 
 Attention: multi-head latent attention (model.attention="mla", models/mla.py), as the paper and the
 Hugging Face checkpoint have it: 128 heads; queries through a rank-1536 bottleneck, 7168->1536->128x192;
@@ -29,8 +30,7 @@ Parameters (meshmoe.analysis.cost_model.active_params): 671,026,404,352 total an
 token (671.0B / 37.6B); published 671B / 37B (+0.004% / +1.5%). Model FLOPs of a training step
 (cost_model.train_step_flops at seq_len 4096): 250 GFLOP per token. Not modelled: the
 multi-token-prediction module (one more layer, 14B; the Hugging Face checkpoint's 685B = 671B + 14B);
-the sequence-wise form of the balance loss (meshmoe's is over each micro-batch's tokens); FP8 training
-(bf16 here). Routing is the paper's node-limited one: each token's 8 experts come
+FP8 training (bf16 here). Routing is the paper's node-limited one: each token's 8 experts come
 from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 selection biases are
 ExpertBias variables, not parameters, and are not counted.
 
@@ -82,7 +82,7 @@ def get_config() -> Config:
               num_experts=256, top_k=8, expert_mlp_dim=2048, num_shared_experts=1, score_fn="sigmoid",
               normalize_top_k=True, routed_scaling=2.5, expert_bias=True, expert_bias_update_rate=1e-3,
               num_groups=8, top_k_groups=4,
-              aux_loss_weight=1e-4, z_loss_weight=0.0, capacity_factor=None),
+              aux_loss_weight=1e-4, balance_loss="sequence", z_loss_weight=0.0, capacity_factor=None),
       ),
       mesh=MeshConfig(data=-1, expert=16, tensor=8, sequence=1, preset="tp_sp", weight_storage="data",
                       expert_axes="data,expert,tensor", optimizer_storage="all"),
