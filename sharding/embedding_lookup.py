@@ -1,24 +1,24 @@
 """The token embedding's lookup, with a backward pass that forms the table's gradient where it is stored.
 
 jnp.take's gradient is a scatter-add of the tokens' gradients [T, D] into the [V, D] table. When the table
-is stored with D split over mesh axes that also split the tokens (`mesh.weight_storage` "data"/"all" under
-`tp_sp`, say), GSPMD partitions that scatter by giving every device a partial sum of the whole table and
-all-reducing it, once per micro-batch (compiled deviceless for H100s: Mixtral-8x7B on 64, 0.5 GB over 64
-devices, 64 times a step; DeepSeek-V3 on 256, 3.7 GB, 480 times a step).
+is stored split (V or D) over mesh axes that also split the tokens (V over `tensor` under `tp_sp`, D under
+`mesh.weight_storage` "data"/"all"), GSPMD partitions that scatter by giving every device a partial sum of
+the whole table and all-reducing it, once per micro-batch (compiled deviceless for H100s: Mixtral-8x7B on
+64, 0.5 GB over 64 devices, 64 times a step; DeepSeek-V3 on 256, 3.7 GB, 480 times a step).
 
 Here the backward instead moves the tokens' gradients to the table's layout: each device receives the
 columns of its own D slice for the tokens of every device that holds the same table slice (the tokens
 stay split over the token axes that the table does not split: `rest`), casts them to the table's dtype
 and scatters them into its slice locally. What the devices along `rest` then hold are partial sums of
-the same slice; XLA sums them with the other weights' gradients (after the micro-batch loop where the
-plan's gradients wait in the step's accumulator). Moved per micro-batch: T / |rest| x D / |D axes| values
-in the lookup's dtype, where GSPMD's own partition moves V x D float32 values.
+the same slice, which XLA sums where the gradient is placed (per micro-batch into the master's slices
+under a distributed optimizer on GPUs). Moved per micro-batch: T / |rest| x D / |D axes| values in the
+lookup's dtype and a V x D / |table axes| float32 sum over `rest`, where GSPMD moved V x D float32 values.
 
-Single device, no active plan, or a table whose D is whole or split exactly like the batch (FSDP: GSPMD
-then looks up locally and all-to-alls, the same bytes): jnp.take as it is. A tied table (models/layers.Embed
-decides) also keeps jnp.take: its gradient is summed with the output layer's, a partition not yet compiled
-and measured this way. The values are those of jnp.take's
-gradient; with `rest` empty, bit for bit (each device adds its columns in the same token order).
+Single device, no active plan, or a table split over no token axis or along D exactly like the batch
+(FSDP: GSPMD then looks up locally and all-to-alls, the same bytes): jnp.take as it is. A tied table
+(models/layers.Embed decides) keeps jnp.take too: its gradient joins the output layer's, a partition
+not compiled this way yet. The values are jnp.take's gradient's; with `rest` empty, bit for bit (each
+device adds its columns in the same token order).
 The cost model counts the same bytes (analysis/cost_collectives.py asks `gradient_layout`).
 """
 
