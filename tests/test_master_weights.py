@@ -173,7 +173,8 @@ def test_gpu_compile_sums_each_micro_batch_into_the_master_slices():
   gradients reduce-scattered into the master's slices per micro-batch, the weights gathered once per step,
   the embedding lookup's gradient gathered over `tensor` and its partial sums reduce-scattered: no whole
   table is all-reduced, sharding/embedding_lookup.py), and the peak memory is within 20% of the model's.
-  (64 KB absolute for what the model leaves out, as in test_cost_model: the routing statistics' sums.)"""
+  (The all-reduce that remains is a few KB of small sums; it is held to 64 KB absolute, as test_cost_model
+  holds such sums.)"""
   config = tiny_moe.get_config()
   config.mesh = MeshConfig(data=2, expert=2, tensor=2, sequence=1, preset="tp_sp", optimizer_storage="all")
   config.parallel = ParallelConfig(impl="xla")
@@ -184,8 +185,9 @@ def test_gpu_compile_sums_each_micro_batch_into_the_master_slices():
   assert by_kind["reduce-scatter"]["compiled"] > by_kind["all-reduce"]["compiled"]
   table_bytes = config.model.vocab_size * config.model.embed_dim * 4
   assert by_kind["all-reduce"]["compiled"] < table_bytes / 10, by_kind["all-reduce"]
-  for kind in ("all-gather", "all-reduce", "reduce-scatter"):
-    assert by_kind[kind]["compiled"] == pytest.approx(by_kind[kind]["cost_model"], rel=0.10, abs=64e3), (
-        kind, by_kind[kind])
+  for kind in ("all-gather", "reduce-scatter"):
+    assert by_kind[kind]["compiled"] == pytest.approx(by_kind[kind]["cost_model"], rel=0.10), (kind, by_kind[kind])
+  all_reduce = by_kind["all-reduce"]
+  assert all_reduce["compiled"] == pytest.approx(all_reduce["cost_model"], rel=0.10, abs=64e3), all_reduce
   memory = report["memory"]
   assert memory["peak_bytes_per_device"] == pytest.approx(memory["cost_model"]["total"], rel=0.20), memory

@@ -296,15 +296,12 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   lookup_placed = not m.tie_embeddings and embedding_lookup.gradient_layout(lay.plan) is not None
   if lookup_placed:
     _lookup_gradient(lay, totals, token_axes)
-  whole_tables = 0
-  if m.tie_embeddings and _tied_table_summed_whole(lay, token_axes):
-    whole_tables = 1
-  elif not m.tie_embeddings and _embedding_summed_whole(lay, token_axes):
-    whole_tables = 1
+  summed_whole = _tied_table_summed_whole if m.tie_embeddings else _embedding_summed_whole
+  whole_tables = int(summed_whole(lay, token_axes))  # one table at most: the tied one, or the output table
   if whole_tables:
     axes = lay.in_mesh_order(token_axes)
     totals["all-reduce", axes] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(axes),
-                                                                   whole_tables * m.vocab_size * d * 4)
+                                                                   m.vocab_size * d * 4)
   tables = (1 if m.tie_embeddings else 2) - whole_tables - lookup_placed
   weights = [
       *((names, elements, m.num_dense_layers + moe_calls, c, True) for names, elements in attention_weights(m)),
