@@ -16,12 +16,19 @@ DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "arrayrecord", "tokenized"
 NAN_POLICIES = ("halt", "skip")
 LR_SCHEDULES = ("cosine", "wsd", "constant")  # optimizer.schedule (training/optimizer.py)
 LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # optimizer.decay_shape
+OPTIMIZERS = ("adamw", "muon", "adafactor", "lion")  # optimizer.name (training/optimizer.py)
 
 
 @dataclasses.dataclass(kw_only=True)
 class OptimizerConfig:
-  """AdamW; the learning rate rises linearly over `warmup_steps` to `learning_rate`, then follows `schedule`."""
+  """`name`'s update rule (optax's); the learning rate rises linearly over `warmup_steps` to `learning_rate`,
+  then follows `schedule`."""
 
+  # "adamw"; "muon" (Muon for the weight matrices, each layer's and each expert's orthogonalised on its own;
+  # AdamW for the embedding and output tables, norms, the router and biases); "adafactor" (optax's defaults:
+  # factored second moments, learning_rate a step size relative to each weight's RMS); "lion" (b1, b2 are
+  # Lion's; it wants a rate 3-10x below AdamW's). Checkpoints record the name: a run resumes with the same.
+  name: str = "adamw"
   learning_rate: float = 3e-3  # the peak
   # Update n (1, 2, ...) of the warmup runs at learning_rate * n / warmup_steps: the first is not 0.
   warmup_steps: int = 20
@@ -37,7 +44,11 @@ class OptimizerConfig:
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
-  weight_decay: float = 0.1
+  # "muon": the momentum of its matrices, and the RMS its orthogonalised updates are scaled to (Moonlight's
+  # 0.2: AdamW's typical update RMS, so AdamW's learning_rate and weight_decay carry over).
+  muon_beta: float = 0.95
+  muon_update_rms: float = 0.2
+  weight_decay: float = 0.1  # multiplied by the learning rate, for every optimizer
   # Which parameters weight decay applies to besides matrices.
   decay_norms: bool = False
   decay_biases: bool = False
@@ -122,6 +133,7 @@ class ResilienceConfig:
 
 
 def validate_optimizer(o: OptimizerConfig) -> None:
+  check_choice("optimizer.name", o.name, OPTIMIZERS)
   check_positive_float("optimizer.learning_rate", o.learning_rate)
   # Warmup longer than the run is allowed (a short trial run of a long recipe): the rate never peaks.
   check_int("optimizer.warmup_steps", o.warmup_steps, 0, "an integer >= 0")
@@ -136,6 +148,9 @@ def validate_optimizer(o: OptimizerConfig) -> None:
     if not is_number(value) or not 0 <= value < 1:
       raise ConfigError(f"optimizer.{name}", value, "a number in [0, 1)")
   check_positive_float("optimizer.eps", o.eps)
+  if not is_number(o.muon_beta) or not 0 <= o.muon_beta < 1:
+    raise ConfigError("optimizer.muon_beta", o.muon_beta, "a number in [0, 1)")
+  check_positive_float("optimizer.muon_update_rms", o.muon_update_rms)
   check_non_negative("optimizer.weight_decay", o.weight_decay)
   check_non_negative("optimizer.grad_clip_norm", o.grad_clip_norm, "a finite number >= 0 (0 disables clipping)")
   for name in ("decay_norms", "decay_biases", "decay_embeddings"):

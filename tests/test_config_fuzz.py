@@ -71,7 +71,8 @@ NON_NEGATIVE_INTS = ["data.loader_threads", "model.q_lora_rank", "model.logits_c
                      "train.eval_every", "sample.max_new_tokens",
                      "resilience.straggler_every_steps"]
 POSITIVE_FLOATS = ["model.yarn_beta_fast", "model.yarn_beta_slow", "model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
-                   "optimizer.learning_rate", "optimizer.eps", "resilience.watchdog_timeout_s"]
+                   "optimizer.learning_rate", "optimizer.eps", "optimizer.muon_update_rms",
+                   "resilience.watchdog_timeout_s"]
 NON_NEGATIVE_FLOATS = ["model.yarn_mscale", "model.yarn_mscale_all_dim", "model.moe.aux_loss_weight", "model.moe.z_loss_weight", "model.moe.expert_bias_update_rate",
                        "optimizer.weight_decay", "optimizer.grad_clip_norm", "train.peak_flops_per_device",
                        "sample.temperature"]
@@ -89,6 +90,7 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            **{f"parallel.{name}": config_lib.EXCHANGE_FORMATS for name in config_lib.EXCHANGE_FORMAT_FIELDS},
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES,
            "optimizer.schedule": config_lib.LR_SCHEDULES, "optimizer.decay_shape": config_lib.LR_DECAY_SHAPES,
+           "optimizer.name": config_lib.OPTIMIZERS,
            "model.moe.balance_loss": config_lib.BALANCE_LOSSES}
 BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
          "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save",
@@ -121,6 +123,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "optimizer.decay_fraction": between_bad(0, 1, low_ok=False, high_ok=True),
     "optimizer.b1": between_bad(0, 1, low_ok=True, high_ok=False),
     "optimizer.b2": between_bad(0, 1, low_ok=True, high_ok=False),
+    "optimizer.muon_beta": between_bad(0, 1, low_ok=True, high_ok=False),
     "train.seed": not_an_int,
     "train.export_hf": not_a_string,
     "train.init_from": not_a_string | st.just("hf:") | st.text(min_size=1, max_size=8).filter(

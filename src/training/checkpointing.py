@@ -4,7 +4,9 @@ Layout: `<workdir>/checkpoints/<step>/{state,data,run_state[,grad_residual]}`. `
 pytree (restored straight into the shardings of the current mesh, so a run can resume on a different
 layout); `data` is the JSON state of the training data iterator, so a resumed run sees exactly the batches it
 would have seen; `run_state` holds the count of skipped non-finite steps and a fingerprint of every array
-of `state`. The newest `checkpoint.keep` checkpoints are kept. Every process calls save and restore; orbax
+of `state` and the name of the optimizer whose state it holds (`optimizer.name`; checkpoints without one were
+written by AdamW, the only optimizer then): a run with another optimizer is refused with one ConfigError
+before anything is read. The newest `checkpoint.keep` checkpoints are kept. Every process calls save and restore; orbax
 coordinates them.
 
 The error-feedback residual of a compressed gradient sum (TrainState.grad_residual) is its own item, so a
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshmoe.config import CheckpointConfig
+from meshmoe.config import CheckpointConfig, ConfigError
 from meshmoe.runtime import distributed
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -64,7 +66,8 @@ class Restored:
 
 class Checkpointer:
 
-  def __init__(self, workdir: str | pathlib.Path, cfg: CheckpointConfig):
+  def __init__(self, workdir: str | pathlib.Path, cfg: CheckpointConfig, optimizer: str = "adamw"):
+    self.optimizer = optimizer  # the name of the optimizer whose state this run saves and restores
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     self.unusable_directory = self.directory.parent / "checkpoints_unusable"
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
@@ -77,7 +80,7 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict, skipped_steps: int = 0) -> None:
     """Starts saving (returns before the write finishes when async); `wait` blocks until it is on disk."""
     core, grad_residual = _without_grad_residual(state)
-    run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state)}
+    run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state), "optimizer": self.optimizer}
     items = dict(state=ocp.args.StandardSave(core), data=ocp.args.JsonSave(data_state),
                  run_state=ocp.args.JsonSave(run_state))
     if grad_residual is not None:
@@ -87,6 +90,7 @@ class Checkpointer:
   def restore(self, step: int, target_state: Any) -> Restored:
     """Restores checkpoint `step` into the shapes, dtypes and shardings of `target_state`, verified against
     its fingerprints; raises when it cannot be read or does not match them."""
+    self._check_optimizer(step)
     restored, error = self._read(step, target_state)
     if error is None:
       error = self._verify(restored)
@@ -100,6 +104,7 @@ class Checkpointer:
     self._set_aside_unfinished_saves()
     failed: list[tuple[int, str]] = []
     for step in sorted(self._manager.all_steps(), reverse=True):
+      self._check_optimizer(step)
       restored, error = self._read(step, target_state)
       error = _agree(error)
       if error is None:
@@ -122,6 +127,21 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+  def _check_optimizer(self, step: int) -> None:
+    """Raises ConfigError when checkpoint `step` holds another optimizer's state (an unreadable record is
+    left for `_read` to report)."""
+    if not (self.directory / str(step) / "run_state").is_dir():
+      return
+    try:
+      run_state = self._manager.restore(step, args=ocp.args.Composite(run_state=ocp.args.JsonRestore())).run_state
+    except Exception:  # noqa: BLE001 - reported by _read with the rest of the checkpoint
+      return
+    saved = run_state.get("optimizer", "adamw") if isinstance(run_state, dict) else None
+    if saved is not None and saved != self.optimizer:
+      raise ConfigError("optimizer.name", self.optimizer,
+                        f"{saved!r}, the optimizer whose state checkpoint {step} in {self.directory} holds (one "
+                        "optimizer's state cannot become another's: resume with it, or start a new workdir)")
 
   def _read(self, step: int, target_state: Any) -> tuple[Restored | None, str | None]:
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

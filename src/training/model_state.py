@@ -50,11 +50,10 @@ def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, p
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, params: Any, plan: ParallelPlan) -> Any:
-  """The shardings `init_optimizer_state` gives (`params` may be abstract)."""
-  abstract = jax.eval_shape(optimizer.init, params)
-  return optax.tree_map_params(
-      optimizer, lambda _, sharding: sharding, abstract, plan.optimizer_shardings(params),
-      transform_non_params=lambda _: plan.replicated(), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  """The shardings `init_optimizer_state` gives (`params` may be abstract): each parameter's statistics lie
+  like it, the rest is replicated (`_statistic_placement`)."""
+  placed = _statistic_placement(params, plan)
+  return jax.tree_util.tree_map_with_path(placed, jax.eval_shape(optimizer.init, params))
 
 
 def abstract_model_state(config: Config, plan: ParallelPlan) -> tuple[Any, Any, Any]:
@@ -108,3 +107,37 @@ def init_gradient_residual(config: Config, plan: ParallelPlan) -> ExpertWeights 
     return None
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
   return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)()
+
+
+def _statistic_placement(params: Any, plan: ParallelPlan):
+  """(path, leaf of an optimizer state) -> its sharding. A statistic of a parameter (a leaf whose path in the
+  state ends with the parameter's path) shaped like it lies as the preset's optimizer rules place it; one
+  with an axis of the parameter reduced away (Adafactor's factored second moments) lies the same without
+  that axis; anything else (counts, Adafactor's placeholders for unfactored weights) is replicated. Matched
+  by path: optax.tree_map_params cannot see through Muon's parameter labels, which read the parameters."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  shardings = jax.tree_util.tree_flatten_with_path(plan.optimizer_shardings(params))[0]
+  of_parameter = {_key_names(path): (sharding, variable.shape)
+                  for (path, sharding), variable in zip(shardings, jax.tree.leaves(params, is_leaf=is_variable))}
+
+  def placed(path, leaf) -> NamedSharding:
+    names = _key_names(path)
+    names = names[:-1] if names[-1:] == ("value",) else names  # a variable's array, in the state's tree
+    found = next((of_parameter[names[start:]] for start in range(len(names)) if names[start:] in of_parameter),
+                 None)
+    if found is None:
+      return plan.replicated()
+    sharding, shape = found
+    if leaf.shape == shape:
+      return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    for axis in range(len(shape)):
+      if leaf.shape == shape[:axis] + shape[axis + 1:]:
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec[:axis], *spec[axis + 1:]))
+    return plan.replicated()
+
+  return placed
+
+
+def _key_names(path) -> tuple[str, ...]:
+  return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)

@@ -1,9 +1,9 @@
-"""The optimizer: global-norm clipping, then AdamW with a learning-rate schedule and a weight-decay mask.
+"""The optimizer: global-norm clipping, then `optimizer.name`'s rule (optax's own: nothing here writes an
+update rule) with a learning-rate schedule and a weight-decay mask (`make_optimizer`).
 
-Parameters and optimizer state are float32 (the model keeps float32 parameters and casts to the compute
-dtype inside each layer). Weight decay applies to matrices; norms, biases and embeddings are decayed only
-when the config says so. A parameter is classified by its logical axis names (`norm` = a norm scale,
-`vocab` = an embedding or output table) or, for biases, by its name.
+Parameters and optimizer state are float32 (the model keeps float32 parameters, cast in each layer). Weight
+decay, times the learning rate for every rule, applies to matrices; norms, biases and embeddings only when
+the config says so (`parameter_kind`). Muon's matrices and AdamW's share: `muon_dimension_numbers`.
 
 The schedule is a function of optax's update count (the updates applied so far: 0 for the first), so a
 step skipped for a non-finite gradient (runtime/nonfinite.py) leaves the rate where it was, and the rate
@@ -54,31 +54,90 @@ def _decay(shape: str, peak: float, end: float, steps: int) -> optax.Schedule:
 
 
 def applied_updates(opt_state: Any) -> jax.Array:
-  """How many updates the optimizer has applied (its schedule's count; skipped steps do not count)."""
+  """How many updates the optimizer has applied (its schedule's count; skipped steps do not count). Muon's
+  two rules each keep one; every applied update advances both."""
   of_schedule = lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"
-  return optax.tree_utils.tree_get(opt_state, "count", filtering=of_schedule)
+  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count", filtering=of_schedule)
+  return counts[0][1]
+
+
+def parameter_kind(path, variable: nnx.Variable) -> str:
+  """"norm", "bias", "table" (embedding or output), "router" or "matrix": what decides a parameter's weight
+  decay and, under Muon, its rule (module docstring)."""
+  axes = variable.get_metadata().get("logical_axes", ())
+  names = [str(getattr(key, "key", key)) for key in path]
+  if "norm" in axes:
+    return "norm"
+  if "bias" in names[-1].lower():
+    return "bias"
+  if "vocab" in axes:
+    return "table"
+  if "router" in names:
+    return "router"
+  return "matrix"
 
 
 def weight_decay_mask(params: Any, cfg: OptimizerConfig) -> Any:
   """True for every parameter weight decay applies to (same tree structure as `params`)."""
+  decays = {"norm": cfg.decay_norms, "bias": cfg.decay_biases, "table": cfg.decay_embeddings, "router": True,
+            "matrix": True}
+  return _per_parameter(lambda path, variable: decays[parameter_kind(path, variable)], params)
 
-  def decays(path, variable: nnx.Variable) -> bool:
+
+# Axes that stack independent matrices (the layers of a scanned stack, the experts of a layer): Muon
+# orthogonalises each of their matrices on its own.
+_MUON_BATCH_AXES = ("layers", "exp")
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+  """Per parameter (a tree like `params`): how Muon (optax.contrib.muon, which orthogonalises each weight
+  matrix's momentum) sees it as matrices, as optax's MuonDimensionNumbers (reduction axes x output axes, the
+  rest batch axes); None for the parameters AdamW updates with optimizer.name="adamw"'s settings: tables,
+  norms, biases and the router (whose columns are the experts' scores, not a map to orthogonalise).
+
+  The stacked layer axis and the experts' axis are batch axes, so each layer's and each expert's matrix is
+  orthogonalised on its own. A weight's axes that project back into the residual stream (a last `embed`
+  axis) are one side of its matrix and the others the other, so [heads, head_dim] stays one side."""
+
+  def of(path, variable: nnx.Variable) -> optax.contrib.MuonDimensionNumbers | None:
     axes = variable.get_metadata().get("logical_axes", ())
-    name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
-    if "norm" in axes:
-      return cfg.decay_norms
-    if "bias" in name.lower():
-      return cfg.decay_biases
-    if "vocab" in axes:
-      return cfg.decay_embeddings
-    return True
+    matrix_axes = [i for i, name in enumerate(axes) if name not in _MUON_BATCH_AXES]
+    if parameter_kind(path, variable) != "matrix" or len(matrix_axes) < 2:
+      return None
+    # A projection back into the residual stream ([heads, head_dim, embed], [mlp, embed]) reduces over all
+    # but its last axis; any other ([embed, heads, head_dim], [kv_lora, heads, head_dim]) over its first.
+    split = len(matrix_axes) - 1 if axes[matrix_axes[-1]] == "embed" else 1
+    return optax.contrib.MuonDimensionNumbers(tuple(matrix_axes[:split]), tuple(matrix_axes[split:]))
 
-  return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return _per_parameter(of, params)
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any) -> optax.GradientTransformation:
-  adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay, mask=weight_decay_mask(params, cfg))
+  """`cfg.name`'s rule for `params` (their tree, possibly abstract), after global-norm clipping."""
+  schedule = learning_rate_schedule(cfg, total_steps)
+  decay_mask = weight_decay_mask(params, cfg)
+  adamw = lambda: optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                              mask=decay_mask)
+  if cfg.name == "adamw":
+    rule = adamw()
+  elif cfg.name == "muon":
+    dimension_numbers = muon_dimension_numbers(params)
+    labels = jax.tree.map(lambda dims: "adamw" if dims is None else "muon", dimension_numbers,
+                          is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))
+    muon = optax.contrib.muon(schedule, beta=cfg.muon_beta, weight_decay=cfg.weight_decay,
+                              consistent_rms=cfg.muon_update_rms,
+                              muon_weight_dimension_numbers=lambda _: dimension_numbers)
+    rule = optax.partition({"muon": muon, "adamw": adamw()}, labels)
+  elif cfg.name == "adafactor":  # its decay is not multiplied by the rate unless given as a schedule
+    rule = optax.adafactor(schedule, weight_decay_rate=lambda count: cfg.weight_decay * schedule(count),
+                           weight_decay_mask=decay_mask)
+  else:
+    rule = optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
   if cfg.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), rule)
+  return rule
+
+
+def _per_parameter(fn, params: Any) -> Any:
+  """`fn(path, variable)` for every parameter of `params` (an nnx.State): a tree of its results."""
+  return jax.tree_util.tree_map_with_path(fn, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

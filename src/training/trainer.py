@@ -72,7 +72,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     plan.write_json(workdir / "plan.json")
     print(plan.table(), flush=True)
   data = data_lib.build_data(config, train_step.process_rows(config, plan), log=print if is_primary else _quiet)
-  checkpointer = Checkpointer(workdir, config.checkpoint)
+  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name)
   variables = None
   if config.train.init_from and checkpointer.latest_step() is None:
     load_start, loaded = time.perf_counter(), {}
