@@ -5,7 +5,8 @@
       [--gpus_per_node=8 --global_batch=1024 --seq_len=4096 --efficiency=0.5 --allow_compression ...]
 
 Searches mesh sizes, presets, weight storage, tiers, micro-batches and remat (meshmoe.analysis.planner),
-rejects what does not fit the GPU's memory less --memory_margin, predicts the step time of the rest from
+rejects what does not fit the memory JAX's allocator holds (train.gpu_memory_fraction of the GPU) less
+--memory_margin, predicts the step time of the rest from
 the cost model (a roofline at --efficiency of the dense peak, NVLink and network bandwidths from the GPU
 spec files, each tier's overlap: meshmoe.analysis.step_time) and prints the ranked table with the
 `--config...` overrides of the best. Every figure it prints is modelled; `--verify=K` compiles the top K

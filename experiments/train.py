@@ -54,7 +54,7 @@ def main(argv):
   if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
     logging.set_verbosity(logging.WARNING)  # library INFO logs (orbax, grain) drown the progress lines
   from meshmoe.config import ConfigError
-  from meshmoe.runtime import distributed, xla_flags
+  from meshmoe.runtime import distributed, gpu_memory, xla_flags
 
   config = flags.FLAGS.config
   config_path = pathlib.Path(flags.FLAGS["config"].config_filename)
@@ -74,6 +74,8 @@ def main(argv):
     # After the flags' checks (a bad flag leaves no empty workdir), before the processes connect.
     cli.writable_folder(workdir, "workdir")
     xla_flags.apply(config.parallel.xla_flags)  # before JAX starts a backend
+    if (note := gpu_memory.set_fraction(config.train.gpu_memory_fraction)) is not None:
+      print(note, flush=True)
     distributed.initialize(topology, config.resilience.watchdog_timeout_s)
   except (ConfigError, distributed.TopologyError, ValueError) as e:
     sys.exit(f"error: {e}")

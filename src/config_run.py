@@ -68,6 +68,9 @@ class TrainConfig:
   eval_batches: int = 4
   # Peak dense FLOP/s of one device for MFU; 0 looks the device kind up (H100, H200, ...), unknown -> no MFU.
   peak_flops_per_device: float = 0.0
+  # The share of each GPU's memory JAX's allocator takes (runtime/gpu_memory.py): the rest is left to the CUDA
+  # context, cuBLAS/cuDNN workspaces and NCCL's buffers. The planner and the AOT report judge fits against it.
+  gpu_memory_fraction: float = 0.9
   profile_steps: str = ""  # "START:STOP" writes a jax.profiler trace of those steps to <workdir>/profile
   # "hf:<folder>": start from a Hugging Face checkpoint folder (config.json + *.safetensors; Mixtral,
   # Qwen3-MoE, DeepSeek-V3; models/hf_checkpoint.py). The model comes from its config.json, except the
@@ -174,6 +177,9 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
   check_positive_int("train.eval_batches", t.eval_batches)
   check_non_negative("train.peak_flops_per_device", t.peak_flops_per_device,
                      "a finite number >= 0 (0: look the device up)")
+  if not is_number(t.gpu_memory_fraction) or not 0 < t.gpu_memory_fraction <= 1:
+    raise ConfigError("train.gpu_memory_fraction", t.gpu_memory_fraction,
+                      "a number in (0, 1]: the share of each GPU's memory JAX's allocator takes")
   if not isinstance(t.init_from, str) or (t.init_from and not (t.init_from.startswith("hf:") and t.init_from[3:])):
     raise ConfigError("train.init_from", t.init_from, "empty (random initialisation) or 'hf:<folder>', a Hugging "
                       "Face checkpoint folder")

@@ -56,7 +56,11 @@ def test_report_holds_the_contract_and_matches_the_cost_model(target):
   if target == "cpu":  # XLA:CPU runs every collective synchronously
     assert report["overlap_fraction"] == 0.0 and report["memory"]["fits"] is None
   else:
-    assert report["memory"]["fits"] is True and report["memory"]["device_bytes"] == 84942979072
+    memory = report["memory"]
+    assert memory["device_bytes"] == 84942979072 and memory["gpu_memory_fraction"] == 0.9
+    assert memory["usable_bytes"] == pytest.approx(0.9 * 84942979072) and memory["fits"] is True
+    small = {**report, "memory": {**memory, "usable_bytes": memory["peak_bytes_per_device"] / 2, "fits": False}}
+    assert "DOES NOT FIT" in aot.format_table(small) and "train.gpu_memory_fraction=0.9" in aot.format_table(small)
   _check_against_cost_model(report)
   assert "memory verdict" in aot.format_table(report)
   assert "(weights stored: preset), impl" in aot.format_table(report)

@@ -124,6 +124,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "optimizer.b1": between_bad(0, 1, low_ok=True, high_ok=False),
     "optimizer.b2": between_bad(0, 1, low_ok=True, high_ok=False),
     "optimizer.muon_beta": between_bad(0, 1, low_ok=True, high_ok=False),
+    "train.gpu_memory_fraction": between_bad(0, 1, low_ok=False, high_ok=True),
     "train.seed": not_an_int,
     "train.export_hf": not_a_string,
     "train.init_from": not_a_string | st.just("hf:") | st.text(min_size=1, max_size=8).filter(

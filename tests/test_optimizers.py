@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from experiments.configs import tiny_moe
+from meshmoe.analysis import cost_memory
 from meshmoe.config import OPTIMIZERS, CheckpointConfig, ConfigError, MeshConfig
 from meshmoe.models.decoder import Transformer
 from meshmoe.training import optimizer as optimizer_lib
@@ -159,7 +160,7 @@ _ONE_DEVICE: dict[str, dict] = {}
 
 def _sharded_updates(config, devices) -> tuple[dict, dict, int]:
   """(parameters before, after STEPS updates, bytes of the optimizer state on the first device) on `devices`,
-  with the state placed as the layout places it."""
+  with the state placed as the layout places it. Checks the cost model's count of that state on the way."""
   plan = plan_for(config, devices)
   trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   shardings = trainer.state_shardings
@@ -170,9 +171,14 @@ def _sharded_updates(config, devices) -> tuple[dict, dict, int]:
   before = _flat_arrays(params)
   for step in range(STEPS):
     params, opt_state = update(params, opt_state, _gradients(params, step))
-  first = devices[0]
-  state_bytes = sum(shard.data.nbytes for leaf in jax.tree.leaves(opt_state) for shard in leaf.addressable_shards
-                    if shard.device == first)
+  on_first = lambda tree: sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
+                              if shard.device == devices[0])
+  state_bytes = on_first(opt_state)
+  modelled = cost_memory.memory_per_device(config, plan).optimizer
+  if plan.distributed_optimizer:  # the model counts the float32 master (the state's parameters) with it
+    modelled -= on_first(params)
+  # Exact but for the counts and Muon's coefficients (replicated scalars the model leaves out).
+  assert abs(modelled - state_bytes) <= 64, (modelled, state_bytes)
   return before, _flat_arrays(params), state_bytes
 
 

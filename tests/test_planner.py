@@ -55,6 +55,22 @@ def test_search_ranks_fitting_layouts_by_predicted_step_time():
   assert sum(found.invalid.values()) > 0  # e.g. 8 heads cannot split 16 ways: refused, not ranked
 
 
+def test_layouts_fit_the_share_of_memory_the_allocator_holds():
+  """Capacity is train.gpu_memory_fraction of the GPU less the margin; a lower fraction drops the layouts
+  whose modelled memory no longer fits it, and keeps the rest."""
+  config = _model()
+  small = dataclasses.replace(H100, memory_bytes=0.1e9)
+  found = _search(config, 8, small, remats=("none",), presets=("ep",), memory_margin=0.05)
+  assert found.capacity_bytes == pytest.approx(0.1e9 * config.train.gpu_memory_fraction * 0.95, rel=1e-12)
+  config.train.gpu_memory_fraction = 0.5
+  lower = _search(config, 8, small, remats=("none",), presets=("ep",), memory_margin=0.05)
+  assert lower.capacity_bytes == pytest.approx(0.1e9 * 0.5 * 0.95, rel=1e-12)
+  kept = {c.layout for c in found.ranked if c.memory_bytes <= lower.capacity_bytes}
+  assert kept and len(kept) < len(found.ranked)
+  assert kept <= {c.layout for c in lower.ranked}
+  assert all(c.memory_bytes <= lower.capacity_bytes for c in lower.ranked)
+
+
 def test_each_candidate_has_the_fewest_micro_batches_that_fit():
   config = _model()
   small = dataclasses.replace(H100, memory_bytes=0.1e9)  # a GPU small enough that micro-batches matter

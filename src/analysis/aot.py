@@ -28,6 +28,7 @@ import jax
 from meshmoe.analysis import (cost_collectives, cost_kernels, cost_model, deviceless, gpus, hlo_collectives,
                               hlo_flops, hlo_module)
 from meshmoe.config import MESH_AXES, Config
+from meshmoe.runtime import gpu_memory
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.training import train_step
@@ -90,7 +91,7 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
       "plan": plan.to_json(),
       "compile_seconds": round(compile_s, 2),  # tracing, lowering and compiling (or reading the cache)
       "compiled_from_cache": getattr(compiled, "from_cache", False),  # compiled_cache.py
-      "memory": _memory(compiled, cost, target),
+      "memory": _memory(compiled, cost, target, config.train.gpu_memory_fraction),
       "flops": _flops(module, config, plan, cost),
       "collectives": [{"kind": c.kind, "bytes": c.bytes, "overlapped": c.overlapped, "group_size": c.group_size,
                        "count": c.count} for c in found if c.bytes > 0],
@@ -106,13 +107,16 @@ def _compiled_in(report: dict[str, Any]) -> str:
   return f"{where} in {report['compile_seconds']:.1f} s"
 
 
-def _memory(compiled, cost, target: str) -> dict[str, Any]:
+def _memory(compiled, cost, target: str, fraction: float) -> dict[str, Any]:
+  """The compiled step's peak against the memory the allocator holds (runtime/gpu_memory.py)."""
   m = compiled.memory_analysis()
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
   capacity = device_memory_bytes(target)
+  usable = None if capacity is None else gpu_memory.usable_bytes(capacity, fraction)
   return {"peak_bytes_per_device": peak, "arguments": m.argument_size_in_bytes,
           "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-          "device_bytes": capacity, "fits": None if capacity is None else peak <= capacity,
+          "device_bytes": capacity, "usable_bytes": usable, "gpu_memory_fraction": fraction,
+          "fits": None if usable is None else peak <= usable,
           "cost_model": dataclasses.asdict(cost.memory) | {"total": cost.memory.total}}
 
 
@@ -210,7 +214,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("memory verdict: CPU target, no device memory limit")
   else:
     verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
-    lines.append(f"memory verdict: {verdict}: peak {gb(mem['peak_bytes_per_device']).strip()} of "
-                 f"{gb(mem['device_bytes']).strip()} per device "
-                 f"({100 * mem['peak_bytes_per_device'] / mem['device_bytes']:.0f}%)")
+    lines.append(f"memory verdict: {verdict}: peak {gb(mem['peak_bytes_per_device']).strip()} of the "
+                 f"{gb(mem['usable_bytes']).strip()} the allocator holds per device "
+                 f"({100 * mem['peak_bytes_per_device'] / mem['usable_bytes']:.0f}%; train.gpu_memory_fraction="
+                 f"{mem['gpu_memory_fraction']:g} of {gb(mem['device_bytes']).strip()})")
   return "\n".join(lines)

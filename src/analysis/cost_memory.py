@@ -1,8 +1,10 @@
 """Cost model, memory part: bytes one device holds at the peak of a training step.
 
 - Parameters, gradients and optimizer state: exact, from each variable's shape and its placement under the
-  preset (parameters and gradients by the parameter rules, AdamW's two moments by the optimizer rules:
-  ZeRO-1 and FSDP split them, data parallelism replicates them). All float32; with gradient accumulation
+  preset (parameters and gradients by the parameter rules, the optimizer's statistics by the optimizer
+  rules: ZeRO-1 and FSDP split them, data parallelism replicates them; AdamW keeps two per element, Muon
+  one for its matrices, Lion one, Adafactor a row and a column for a factored weight: their shapes read
+  from optax's own state, training/optimizer.statistic_shapes). All float32; with gradient accumulation
   the gradients twice (the running sum and the current micro-batch's). Counted with the optimizer state:
   the error-feedback residual of a compressed gradient sum (one float32 copy of the device's expert weights;
   the per-replica copies of the weights themselves are views of the parameters, and their gradient takes
@@ -42,6 +44,7 @@ from meshmoe.sharding import blocked_gemm, expert_parallel, moe_pipeline, parall
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.projection_blocks import attention_width
 from meshmoe.training import master_weights
+from meshmoe.training import optimizer as optimizer_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +78,12 @@ def memory_per_device(config: Config, plan: ParallelPlan) -> MemoryCost:
     compute = [master_weights.compute_dtype(path, n, config.model.dtype).itemsize for path, n in zip(paths, names)]
     param_bytes, master = placed_bytes(plan.param_spec, compute), placed_bytes(plan.optimizer_spec)
     gradients = master + (placed_bytes(plan.optimizer_spec, compute) if accumulating else 0.0)
-    optimizer = 3 * master
+    optimizer = master + _statistics_bytes(config, plan, shapes, names)
   else:
     param_bytes = placed_bytes(plan.param_spec)
     # With gradient accumulation the micro-batch loop carries the float32 sum beside each micro-batch's.
     gradients = param_bytes * (2 if accumulating else 1)
-    optimizer = 2 * placed_bytes(plan.optimizer_spec)
+    optimizer = _statistics_bytes(config, plan, shapes, names)
   experts = sum(math.prod(shape) / _shards(plan, plan.weight_spec(n)) for shape, n in zip(shapes, names)
                 if "exp" in n)
   if plan.gradient_feedback:  # gradient_sync.py's error-feedback residual, float32, beside the optimizer state
@@ -105,6 +108,27 @@ def _parameters(model) -> tuple[list[tuple[int, ...]], list[tuple[str | None, ..
 
 
 _PARAMETERS: dict[str, tuple[list, list, list]] = {}
+
+
+def _statistics_bytes(config: Config, plan: ParallelPlan, shapes, names) -> float:
+  """The optimizer's float32 statistics on one device, each placed as optimizer.statistic_spec says beside
+  its parameter's optimizer placement (their shapes read from optax's state once per model and optimizer)."""
+  key = repr((config.model, config.optimizer))
+  if key not in _STATISTICS:
+    abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
+    if len(_STATISTICS) > 16:
+      _STATISTICS.clear()
+    _STATISTICS[key] = optimizer_lib.statistic_shapes(config.optimizer, nnx.state(abstract, nnx.Param))
+  total = 0.0
+  for shape, n, statistics in zip(shapes, names, _STATISTICS[key]):
+    spec = plan.optimizer_spec(n)
+    for statistic in statistics:
+      placed = optimizer_lib.statistic_spec(spec, shape, statistic)
+      total += 4 * math.prod(statistic) / (1 if placed is None else _shards(plan, placed))
+  return total
+
+
+_STATISTICS: dict[str, list[list[tuple[int, ...]]]] = {}
 
 
 def _layer_weight_copies(config: Config, plan: ParallelPlan, shapes, names) -> float:

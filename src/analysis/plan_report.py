@@ -19,7 +19,7 @@ def header(found: planner.Search, gpus_per_node: int, efficiency: float) -> str:
       f"{found.num_gpus} x {g.description}, {gpus_per_node} per node: dense bf16 {g.dense_bf16_flops / 1e12:.0f} "
       f"TFLOP/s at {efficiency:.0%} (stated efficiency), NVLink {g.nvlink_bandwidth / _GB:.0f} GB/s and network "
       f"{g.network_bandwidth / _GB:.0f} GB/s per GPU per direction; memory {g.memory_bytes / _GB:.1f} GB, planned "
-      f"to {found.capacity_bytes / _GB:.1f} GB",
+      f"to {found.capacity_bytes / _GB:.1f} GB (train.gpu_memory_fraction less --memory_margin)",
       f"searched {found.evaluated} layouts: {invalid} refused by the config validation"
       + (f" ({reasons})" if reasons else "")
       + "; of the rest, per (mesh, preset, experts, storage, optimizer, tier, remat) the fewest micro-batches "

@@ -6,7 +6,8 @@ the MoE layers' experts (`mesh.expert_axes`: MoE parallel folding, `foldings`), 
 optimizer), the tier, the number of micro-batches, remat, and (when allowed) the lossy compression options.
 `search` enumerates the layouts the config validation accepts, builds each one's parallel plan on a
 deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose modelled memory
-does not fit the GPU (less a margin for what the memory model leaves out), predicts the step time of the
+does not fit the allocator's share of the GPU (train.gpu_memory_fraction, runtime/gpu_memory.py, less a
+margin for what the memory model leaves out), predicts the step time of the
 rest (step_time.py) and ranks them fastest first. For each (mesh, preset, experts' axes, storage,
 optimizer storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never
 make the modelled step faster (the same FLOPs, and per-micro-batch collectives repeat).
@@ -34,6 +35,7 @@ from meshmoe.config import (IMPLS, MESH_AXES, PRESETS, REMAT_POLICIES, Config, C
                             resolve_mesh_sizes)
 from meshmoe.sharding import rules
 from meshmoe.sharding.mesh import make_mesh
+from meshmoe.runtime import gpu_memory
 from meshmoe.sharding.plan import ParallelPlan
 
 TIERS = IMPLS  # every tier (`parallel.impl`) is a candidate
@@ -128,7 +130,7 @@ class Search:
 
   gpu: GpuSpec
   num_gpus: int
-  capacity_bytes: float  # device memory less the margin
+  capacity_bytes: float  # the allocator's share of device memory (train.gpu_memory_fraction) less the margin
   tokens_per_step: int
   ranked: list[Candidate]
   invalid: collections.Counter  # reason -> layouts the config validation refused
@@ -224,7 +226,9 @@ def search(config: Config, num_gpus: int, gpu: GpuSpec, gpus_per_node: int | Non
   `choices` narrows the search (presets=, tiers=, remats=); `stop_at_first_fit` only asks whether any fits."""
   gpus_per_node = gpus_per_node or gpu.gpus_per_node
   devices = gpu_devices(gpu, num_gpus, gpus_per_node)
-  capacity = gpu.memory_bytes * (1 - memory_margin)
+  # What JAX's allocator holds of each GPU (train.gpu_memory_fraction), less the margin for what the memory
+  # model leaves out.
+  capacity = gpu_memory.usable_bytes(gpu.memory_bytes, config.train.gpu_memory_fraction) * (1 - memory_margin)
   ranked, too_big, invalid, evaluated = [], [], collections.Counter(), 0
   with _quiet_fallbacks():  # the plans of a tier whose kernels cannot run say so once each; the table shows it
     for group in layouts(config, num_gpus, gpus_per_node, allow_compression, **choices):

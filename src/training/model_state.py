@@ -21,6 +21,7 @@ from meshmoe.models.decoder import Transformer
 from meshmoe.sharding import gradient_sync
 from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.training import optimizer as optimizer_lib
 
 
 def init_model(config: Config, plan: ParallelPlan, variables: tuple[Any, Any] | None = None) -> Transformer:
@@ -110,34 +111,17 @@ def init_gradient_residual(config: Config, plan: ParallelPlan) -> ExpertWeights 
 
 
 def _statistic_placement(params: Any, plan: ParallelPlan):
-  """(path, leaf of an optimizer state) -> its sharding. A statistic of a parameter (a leaf whose path in the
-  state ends with the parameter's path) shaped like it lies as the preset's optimizer rules place it; one
-  with an axis of the parameter reduced away (Adafactor's factored second moments) lies the same without
-  that axis; anything else (counts, Adafactor's placeholders for unfactored weights) is replicated. Matched
-  by path: optax.tree_map_params cannot see through Muon's parameter labels, which read the parameters."""
+  """(path, leaf of an optimizer state) -> its sharding: a statistic of a parameter (optimizer.parameter_of)
+  where optimizer.statistic_spec puts it beside the parameter's optimizer placement; anything else (counts)
+  replicated."""
   is_variable = lambda x: isinstance(x, nnx.Variable)
-  shardings = jax.tree_util.tree_flatten_with_path(plan.optimizer_shardings(params))[0]
-  of_parameter = {_key_names(path): (sharding, variable.shape)
-                  for (path, sharding), variable in zip(shardings, jax.tree.leaves(params, is_leaf=is_variable))}
+  shardings = jax.tree.leaves(plan.optimizer_shardings(params))
+  shapes = [variable.shape for variable in jax.tree.leaves(params, is_leaf=is_variable)]
+  owner = optimizer_lib.parameter_of(params)
 
   def placed(path, leaf) -> NamedSharding:
-    names = _key_names(path)
-    names = names[:-1] if names[-1:] == ("value",) else names  # a variable's array, in the state's tree
-    found = next((of_parameter[names[start:]] for start in range(len(names)) if names[start:] in of_parameter),
-                 None)
-    if found is None:
-      return plan.replicated()
-    sharding, shape = found
-    if leaf.shape == shape:
-      return sharding
-    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    for axis in range(len(shape)):
-      if leaf.shape == shape[:axis] + shape[axis + 1:]:
-        return NamedSharding(sharding.mesh, PartitionSpec(*spec[:axis], *spec[axis + 1:]))
-    return plan.replicated()
+    i = owner(path)
+    spec = None if i is None else optimizer_lib.statistic_spec(shardings[i].spec, shapes[i], leaf.shape)
+    return plan.replicated() if spec is None else NamedSharding(plan.mesh, PartitionSpec(*spec))
 
   return placed
-
-
-def _key_names(path) -> tuple[str, ...]:
-  return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)

@@ -138,6 +138,54 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any) -> optax
   return rule
 
 
+def parameter_of(params: Any):
+  """path in an optimizer state -> the index (in jax.tree.leaves(params, is_leaf=nnx.Variable)) of the
+  parameter whose statistic lies there, or None (counts, Muon's coefficients). optax's states hold trees
+  shaped like the parameters, so a statistic's path ends with its parameter's path (and the variable's
+  `value`). Matched by path: optax.tree_map_params cannot see through Muon's labels, which read the tree."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  index = {_key_names(path): i for i, (path, _) in
+           enumerate(jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0])}
+
+  def of(path) -> int | None:
+    names = _key_names(path)
+    names = names[:-1] if names[-1:] == ("value",) else names
+    return next((index[names[start:]] for start in range(len(names)) if names[start:] in index), None)
+
+  return of
+
+
+def statistic_shapes(cfg: OptimizerConfig, params: Any) -> list[list[tuple[int, ...]]]:
+  """Per parameter (jax.tree.leaves(params, is_leaf=nnx.Variable) order): the shapes of the optimizer's
+  statistics of it (AdamW: two of its shape; Lion one; Muon one for its matrices; Adafactor, for a factored
+  weight, its shape less each of its two largest axes), read from optax's own state: the cost model's
+  count of the optimizer's memory."""
+  shapes = [[] for _ in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+  owner = parameter_of(params)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.eval_shape(make_optimizer(cfg, 1, params).init,
+                                                                        params))[0]:
+    if (i := owner(path)) is not None:
+      shapes[i].append(leaf.shape)
+  return shapes
+
+
+def statistic_spec(param_spec: tuple, param_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple | None:
+  """Where a statistic of `shape` of a parameter whose state lies as `param_spec` says lies: like the
+  parameter when shaped like it; without the axis reduced away when it lacks one of the parameter's axes
+  (Adafactor's factored second moments); None (replicated) otherwise (Adafactor's placeholders)."""
+  if shape == tuple(param_shape):
+    return tuple(param_spec)
+  spec = tuple(param_spec) + (None,) * (len(param_shape) - len(param_spec))
+  for axis in range(len(param_shape)):
+    if shape == tuple(param_shape[:axis]) + tuple(param_shape[axis + 1:]):
+      return spec[:axis] + spec[axis + 1:]
+  return None
+
+
+def _key_names(path) -> tuple[str, ...]:
+  return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
+
+
 def _per_parameter(fn, params: Any) -> Any:
   """`fn(path, variable)` for every parameter of `params` (an nnx.State): a tree of its results."""
   return jax.tree_util.tree_map_with_path(fn, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

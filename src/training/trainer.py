@@ -28,7 +28,7 @@ from meshmoe.analysis import cost_model
 from meshmoe.config import Config, ConfigError, profile_range
 from meshmoe.data import pipeline as data_lib
 from meshmoe.models import hf_checkpoint, hf_export
-from meshmoe.runtime import distributed, nonfinite, resilience, stragglers
+from meshmoe.runtime import distributed, gpu_memory, nonfinite, resilience, stragglers
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.training import hf_convert, metrics as metrics_lib, model_state, report, sampling, train_step
@@ -71,6 +71,8 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1) + "\n")
     plan.write_json(workdir / "plan.json")
     print(plan.table(), flush=True)
+    if (memory := gpu_memory.describe(config.train.gpu_memory_fraction)) is not None:
+      print(memory, flush=True)
   data = data_lib.build_data(config, train_step.process_rows(config, plan), log=print if is_primary else _quiet)
   checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name)
   variables = None
