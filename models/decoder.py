@@ -34,7 +34,7 @@ from meshmoe.models.attention import Attention
 from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.mla import LatentAttention
 from meshmoe.models.moe import MoEBlock, MoEStats, merge_halves
-from meshmoe.models.router import update_expert_bias
+from meshmoe.models.router import load_balancing_loss, update_expert_bias
 from meshmoe.sharding import expert_parallel, shardings
 from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.shardings import constrain
@@ -177,6 +177,7 @@ class ModelAux:
   z_loss: jax.Array  # router z-loss, mean over MoE layers
   expert_load_LE: jax.Array  # assignments per expert, per MoE layer
   dropped_fraction_L: jax.Array  # dropped assignments per MoE layer
+  score_mean_LE: jax.Array  # mean normalised router score per expert, per MoE layer (the aux loss's p_e)
 
 
 jax.tree_util.register_dataclass(ModelAux)
@@ -254,9 +255,10 @@ def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
   """Means of the per-layer router losses; loads and drops stay per layer ([L, E], [L])."""
   if stats is None:
     zero = jnp.zeros((), jnp.float32)
-    return ModelAux(zero, zero, jnp.zeros((0, num_experts)), jnp.zeros((0,)))
+    return ModelAux(zero, zero, jnp.zeros((0, num_experts)), jnp.zeros((0,)), jnp.zeros((0, num_experts)))
   return ModelAux(aux_loss=jnp.mean(stats.aux_loss), z_loss=jnp.mean(stats.z_loss),
-                  expert_load_LE=stats.load_E, dropped_fraction_L=stats.dropped_fraction)
+                  expert_load_LE=stats.load_E, dropped_fraction_L=stats.dropped_fraction,
+                  score_mean_LE=stats.score_mean_E)
 
 
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
@@ -277,7 +279,8 @@ def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Arra
   ce_sum = output.cross_entropy_sum(x_BSD, weight, targets_BS, mask_BS, tied=tied,
                                     chunk_bytes=model.cfg.logits_chunk_bytes)
   return {"ce_sum": ce_sum, "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,
-          "z_loss": aux.z_loss, "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L}
+          "z_loss": aux.z_loss, "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L,
+          "score_mean": aux.score_mean_LE}
 
 
 def combine_loss_terms(terms: dict[str, jax.Array], moe: MoEConfig, total_tokens: jax.Array,
@@ -286,3 +289,14 @@ def combine_loss_terms(terms: dict[str, jax.Array], moe: MoEConfig, total_tokens
   over all the step's tokens plus the router losses averaged over micro-batches."""
   router = moe.aux_loss_weight * terms["aux_loss"] + moe.z_loss_weight * terms["z_loss"]
   return terms["ce_sum"] / jnp.maximum(total_tokens, 1.0) + router / num_microbatches
+
+
+def global_batch_balance_loss(terms: dict[str, jax.Array], earlier_load_LE: jax.Array) -> jax.Array:
+  """balance_loss="global_batch"'s loss of a micro-batch (MoEConfig): the load-balancing loss of its
+  scores (p_e) against the loads of the step's micro-batches up to and including it (`earlier_load_LE`:
+  the micro-batches before it, every data replica's), a mean over the MoE layers. The loads are counts,
+  not differentiable, as in the other losses."""
+  load_LE = jax.lax.stop_gradient(earlier_load_LE + terms["expert_load"])
+  if load_LE.shape[0] == 0:
+    return jnp.zeros((), jnp.float32)
+  return jnp.mean(load_balancing_loss(load_LE, terms["score_mean"]))

@@ -12,7 +12,7 @@ from meshmoe.config_checks import (ConfigError, check_bool, check_choice, check_
 
 DTYPES = ("float32", "bfloat16")
 SCORE_FNS = ("softmax", "sigmoid")
-BALANCE_LOSSES = ("batch", "sequence")  # model.moe.balance_loss (models/router.py)
+BALANCE_LOSSES = ("batch", "sequence", "global_batch")  # model.moe.balance_loss (models/router.py)
 ATTENTION_TYPES = ("gqa", "mla")
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -38,7 +38,10 @@ class MoEConfig:
   aux_loss_weight: float = 0.01  # Switch-style load-balancing loss
   # What the load-balancing loss balances: "batch", each micro-batch's tokens over all devices (the loads
   # summed over the data replicas before the loss); "sequence", each sequence's, averaged over the
-  # sequences (DeepSeek-V3's complementary sequence-wise loss).
+  # sequences (DeepSeek-V3's complementary sequence-wise loss); "global_batch", the step's: each
+  # micro-batch's scores weighed by the loads of the step's micro-batches up to and including it (the last
+  # one's are the whole step's; Megatron-Core's global_aux_loss, Qwen3's global-batch balance;
+  # models/decoder.combine_loss_terms). With one micro-batch it is "batch".
   balance_loss: str = "batch"
   z_loss_weight: float = 1e-3  # router z-loss (ST-MoE)
   # None: dropless (every token reaches its k experts). A number: each expert takes at most

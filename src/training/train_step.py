@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from meshmoe.config import Config
-from meshmoe.models.decoder import combine_loss_terms, lm_loss_terms
+from meshmoe.models.decoder import combine_loss_terms, global_batch_balance_loss, lm_loss_terms
 from meshmoe.runtime import nonfinite
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan, with_weight_placed_gradients
@@ -183,27 +183,31 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
                else state.params)
     in_float32 = lambda grads: jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-    def loss_of(params, grad_residual, micro):
+    def loss_of(params, grad_residual, micro, earlier_load_LE):
       terms = loss_terms(graphdef, params, state.others, micro, plan, grad_residual)
+      if moe.balance_loss == "global_batch":  # against the step's loads so far (MoEConfig.balance_loss)
+        terms = {**terms, "aux_loss": global_batch_balance_loss(terms, earlier_load_LE)}
       return combine_loss_terms(terms, moe, total_tokens, count), terms
 
     # grad_residual's "gradient" is the new grad_residual: what the compressed sums lost (gradient_sync.py).
     grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
+    no_load = jnp.zeros((config.model.num_layers - config.model.num_dense_layers, moe.num_experts), jnp.float32)
     if count == 1:
-      (loss, terms), (grads, grad_residual) = grad_fn(weights, state.grad_residual, batch)
+      (loss, terms), (grads, grad_residual) = grad_fn(weights, state.grad_residual, batch, no_load)
       grads, terms = in_float32(grads), jax.tree.map(lambda x: x[None], terms)
     else:
       def accumulate(carry, micro):
-        loss_sum, grad_sum, grad_residual = carry
+        loss_sum, grad_sum, grad_residual, load_LE = carry
         # Each micro-batch's compressed sum is a round of error feedback: what it loses enters the next.
-        (loss, terms), (grads, grad_residual) = grad_fn(weights, grad_residual, micro)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, in_float32(grads)), grad_residual), terms
+        (loss, terms), (grads, grad_residual) = grad_fn(weights, grad_residual, micro, load_LE)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, in_float32(grads)), grad_residual,
+                load_LE + terms["expert_load"]), terms
 
       grad_zeros = jax.tree.map(jnp.zeros_like, state.params)
       if plan.distributed_optimizer:  # where each weight's sums are cheapest (training/master_weights.py)
         grad_zeros = jax.lax.with_sharding_constraint(grad_zeros, accumulator_shardings)
-      zeros = (jnp.zeros((), jnp.float32), grad_zeros, state.grad_residual)
-      (loss, grads, grad_residual), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
+      zeros = (jnp.zeros((), jnp.float32), grad_zeros, state.grad_residual, no_load)
+      (loss, grads, grad_residual, _), terms = jax.lax.scan(accumulate, zeros, _microbatches(batch, count))
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
     grad_sq_norms = nonfinite.squared_norms(grads, stacked)
     grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
