@@ -41,8 +41,8 @@ Choices:
 - optimizer: the report gives no optimizer settings; AdamW, peak lr 3e-4, 2000 warmup steps, cosine to
   10%, betas (0.9, 0.95), weight decay 0.1, clip 1.0.
 - router losses: aux_loss_weight 0.008 is the Hugging Face router_aux_loss_coef 0.001 times top_k: HF's
-  Switch loss equals top_k when balanced, meshmoe's equals 1. Qwen3 balances over the global batch,
-  and so does meshmoe's loss (it is computed over all the tokens of a micro-batch). No z-loss.
+  Switch loss equals top_k when balanced, meshmoe's equals 1. Qwen3 balances over the global batch:
+  balance_loss "global_batch" (the loads of every device and of the step's micro-batches so far). No z-loss.
 """
 
 from meshmoe.config import (CheckpointConfig, Config, MeshConfig, ModelConfig, MoEConfig, OptimizerConfig,
@@ -59,7 +59,7 @@ def get_config() -> Config:
           moe=MoEConfig(
               num_experts=128, top_k=8, expert_mlp_dim=768, num_shared_experts=0, score_fn="softmax",
               normalize_top_k=True, routed_scaling=1.0, expert_bias=False, aux_loss_weight=0.008,
-              z_loss_weight=0.0, capacity_factor=None),
+              balance_loss="global_batch", z_loss_weight=0.0, capacity_factor=None),
       ),
       mesh=MeshConfig(data=-1, expert=2, tensor=1, sequence=1, preset="ep", weight_storage="data"),
       parallel=ParallelConfig(impl="pallas"),

@@ -3,7 +3,7 @@ update rule) with a learning-rate schedule and a weight-decay mask (`make_optimi
 
 Parameters and optimizer state are float32 (the model keeps float32 parameters, cast in each layer). Weight
 decay, times the learning rate for every rule, applies to matrices; norms, biases and embeddings only when
-the config says so (`parameter_kind`). Muon's matrices and AdamW's share: `muon_dimension_numbers`.
+the config says so (`parameter_kind`). Which weights Muon updates, as which matrices: `muon_dimension_numbers`.
 
 The schedule is a function of optax's update count (the updates applied so far: 0 for the first), so a
 step skipped for a non-finite gradient (runtime/nonfinite.py) leaves the rate where it was, and the rate
@@ -64,8 +64,7 @@ def applied_updates(opt_state: Any) -> jax.Array:
 def parameter_kind(path, variable: nnx.Variable) -> str:
   """"norm", "bias", "table" (embedding or output), "router" or "matrix": what decides a parameter's weight
   decay and, under Muon, its rule (module docstring)."""
-  axes = variable.get_metadata().get("logical_axes", ())
-  names = [str(getattr(key, "key", key)) for key in path]
+  axes, names = variable.get_metadata().get("logical_axes", ()), _key_names(path)
   if "norm" in axes:
     return "norm"
   if "bias" in names[-1].lower():

@@ -96,9 +96,10 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     compile_start = time.perf_counter()
     step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
     if is_primary:
-      print(f"{config.train.steps - first_step} steps to go; train step compiled in "
-            f"{time.perf_counter() - compile_start:.1f}s; {data.train_tokens:,} train / {data.eval_tokens:,} "
-            "eval tokens", flush=True)
+      o = config.optimizer
+      print(f"{config.train.steps - first_step} steps to go ({o.name}, peak learning rate {o.learning_rate:g}, "
+            f"{o.schedule} schedule); train step compiled in {time.perf_counter() - compile_start:.1f}s; "
+            f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens", flush=True)
   elif is_primary:
     print(f"the run has already trained its {config.train.steps} steps (train.steps): evaluating and sampling "
           "only; raise --config.train.steps to train on", flush=True)
