@@ -28,6 +28,7 @@ class OptimizerConfig:
   # AdamW for the embedding and output tables, norms, the router and biases); "adafactor" (optax's defaults:
   # factored second moments, learning_rate a step size relative to each weight's RMS); "lion" (b1, b2 are
   # Lion's; it wants a rate 3-10x below AdamW's). Checkpoints record the name: a run resumes with the same.
+  # Muon's cost across many devices (its matrices orthogonalised where the layout splits them): README.md.
   name: str = "adamw"
   learning_rate: float = 3e-3  # the peak
   # Update n (1, 2, ...) of the warmup runs at learning_rate * n / warmup_steps: the first is not 0.
