@@ -164,8 +164,12 @@ def _sharded_updates(config, devices) -> tuple[dict, dict, int]:
   plan = plan_for(config, devices)
   trainer, state = train_step.create(config, plan, initial_variables(config, plan))
   shardings = trainer.state_shardings
-  update = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*trainer.optimizer.update(g, s, p)),
-                   in_shardings=(shardings.params, shardings.opt_state, shardings.params),
+
+  def step(params, opt_state, grads):
+    updates, opt_state = trainer.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  update = jax.jit(step, in_shardings=(shardings.params, shardings.opt_state, shardings.params),
                    out_shardings=(shardings.params, shardings.opt_state))
   params, opt_state = state.params, state.opt_state
   before = _flat_arrays(params)
