@@ -20,8 +20,8 @@ from meshmoe.models.decoder import Transformer
 from meshmoe.training import optimizer as optimizer_lib
 from meshmoe.training import train_step
 from meshmoe.training.checkpointing import Checkpointer
-from tests.model_steps import initial_variables, plan_for, synthetic_batch
-from tests.test_step import _flat
+from tests.model_steps import initial_variables, plan_for
+from tests.test_master_weights import _two_step_run
 from tests.tolerances import FP32_MODEL_RTOL, FP32_MODULE_RTOL, assert_close
 
 STEPS = 3  # updates per check: the moments' second and third updates use what the first left
@@ -207,28 +207,6 @@ def test_each_update_on_every_layout_equals_one_device(name, sizes, preset, weig
     assert state_bytes <= ref_bytes / 4, (state_bytes, ref_bytes)
 
 
-def _run(config, checkpoint_dir=None, resume: Checkpointer | None = None) -> tuple[float, dict]:
-  """Two train steps of `config` (ep over 2 x 4 devices); with `checkpoint_dir`, the state after step 1 is
-  saved there; with `resume` (a checkpointer holding step 1), step 2 starts from the restored state."""
-  plan = plan_for(config)
-  trainer, state = train_step.create(config, plan, initial_variables(config, plan))
-  batches = []
-  for seed in (5, 6):
-    inputs, targets = synthetic_batch(config, plan, seed=seed)
-    batches.append({"inputs": inputs, "targets": targets, "mask": jnp.ones(inputs.shape, jnp.float32)})
-  if resume is not None:
-    state = resume.restore(1, state).state
-  else:
-    state, _ = trainer.train_step(state, batches[0])
-    if checkpoint_dir is not None:
-      checkpointer = Checkpointer(checkpoint_dir, CheckpointConfig(), config.optimizer.name)
-      checkpointer.save(1, state, {"next_index": 1})
-      checkpointer.wait()
-      checkpointer.close()
-  state, metrics = trainer.train_step(state, batches[1])
-  return float(metrics["loss"]), _flat(state.params)
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_resumed_run_continues_bit_for_bit_with_each_optimizer(tmp_path, name):
   """Save after step 1, restore into a fresh run and take step 2: the loss and every parameter are the
@@ -236,9 +214,9 @@ def test_a_resumed_run_continues_bit_for_bit_with_each_optimizer(tmp_path, name)
   naming both, before anything is read."""
   config = _config(name)
   config.mesh = MeshConfig(data=2, expert=4, preset="ep")
-  uninterrupted = _run(config, checkpoint_dir=tmp_path)
+  uninterrupted = _two_step_run(config, tmp_path=tmp_path)
   checkpointer = Checkpointer(tmp_path, CheckpointConfig(), name)
-  loss, params = _run(config, resume=checkpointer)
+  loss, params = _two_step_run(config, resume_from=checkpointer)
   checkpointer.close()
   assert loss == uninterrupted[0]
   for path, value in uninterrupted[1].items():
