@@ -57,6 +57,7 @@ def main(argv):
 
   from meshmoe.analysis import cost_collectives, cost_model, hlo_collectives
   from meshmoe.config import ConfigError
+  from meshmoe.data.pipeline import document_starts
   from meshmoe.sharding.mesh import make_mesh
   from meshmoe.sharding.plan import ParallelPlan
   from meshmoe.training import train_step
@@ -87,8 +88,10 @@ def main(argv):
   trainer, state = train_step.create(config, plan)
   b, s = config.train.global_batch_size, config.train.seq_len
   tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, s + 1), dtype=np.int32)
-  batch = train_step.place_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                                  "mask": np.ones((b, s), np.float32)}, config, plan)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((b, s), np.float32)}
+  if config.data.document_mask:  # token 0 ends the synthetic documents
+    batch["document_starts"] = document_starts(batch["inputs"], 0)
+  batch = train_step.place_batch(batch, config, plan)
   compiled = trainer.train_step.lower(state, batch).compile()
   state, _ = compiled(state, batch)
   jax.block_until_ready(state)

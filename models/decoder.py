@@ -31,7 +31,7 @@ from flax import nnx
 from meshmoe.config import ModelConfig, MoEConfig
 from meshmoe.models import output
 from meshmoe.models.attention import Attention
-from meshmoe.models.layers import Embed, RMSNorm, SwiGLU, param
+from meshmoe.models.layers import Documents, Embed, RMSNorm, SwiGLU, param
 from meshmoe.models.mla import LatentAttention
 from meshmoe.models.moe import MoEBlock, MoEStats, merge_halves
 from meshmoe.models.router import load_balancing_loss, update_expert_bias
@@ -52,10 +52,11 @@ class DecoderLayer(nnx.Module):
                 else MoEBlock(cfg, rngs=rngs))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, replicas: ExpertWeights | None = None,
-               mask_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
+               mask_BS: jax.Array | None = None, documents: Documents | None = None
+               ) -> tuple[jax.Array, MoEStats | None]:
     """`replicas`: the MoE's expert weights as per-replica copies (LayerStack), or None. `mask_BS`: the tokens
-    the MoE routes (MoEBlock.route; None: all)."""
-    x_BSD = self._attention_block(x_BSD, positions_BS)
+    the MoE routes (MoEBlock.route; None: all). `documents`: attention within packed rows' documents."""
+    x_BSD = self._attention_block(x_BSD, positions_BS, documents)
     if isinstance(self.ffn, MoEBlock):
       y_BSD, stats = self.ffn(self.ffn_norm(x_BSD), positions_BS, replicas, mask_BS)
     else:
@@ -63,16 +64,18 @@ class DecoderLayer(nnx.Module):
     return constrain(x_BSD + y_BSD, _RESIDUAL_STREAM), stats
 
   def two_halves(self, halves: Halves, replicas: ExpertWeights | None = None,
-                 masks: tuple[jax.Array, jax.Array] | None = None) -> tuple[Halves, MoEStats]:
+                 masks: tuple[jax.Array, jax.Array] | None = None,
+                 documents: tuple[Documents, Documents] | None = None) -> tuple[Halves, MoEStats]:
     """The MoE layer on two halves of the rows (module docstring), the same function as `__call__` on the
     whole. Order: A's attention and routing; B's attention while A's tokens travel to their experts; A's
     experts while B's tokens travel; B's experts while A's outputs return. XLA's scheduler places each
     exchange beside the other half's compute; the barriers below keep the halves from being merged.
-    `replicas`: as in `__call__` (both halves' gradients add up before the one compressed sum); `masks`: the
-    halves' `mask_BS` (as in `__call__`), or None."""
+    `replicas`: as in `__call__` (both halves' gradients add up before the one compressed sum); `masks`,
+    `documents`: the halves' `mask_BS` and `documents` (as in `__call__`), or None."""
     (xa_BSD, xb_BSD), (positions_a_BS, positions_b_BS) = halves
     mask_a_BS, mask_b_BS = masks if masks is not None else (None, None)
-    xa_BSD = self._attention_block(xa_BSD, positions_a_BS)
+    documents_a, documents_b = documents if documents is not None else (None, None)
+    xa_BSD = self._attention_block(xa_BSD, positions_a_BS, documents_a)
     na_BSD = self.ffn_norm(xa_BSD)
     assignment_a, stats_a = self.ffn.route(na_BSD, positions_a_BS, mask_a_BS)
     # B's attention after A's routing: otherwise XLA merges GEMMs of the two halves that share weights (the
@@ -80,7 +83,7 @@ class DecoderLayer(nnx.Module):
     # B's attention instead of running beside it.
     xb_BSD, na_BSD, assignment_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, assignment_a))
     ya_BSD = self.ffn.routed_experts(na_BSD, assignment_a, replicas)
-    xb_BSD = self._attention_block(xb_BSD, positions_b_BS)
+    xb_BSD = self._attention_block(xb_BSD, positions_b_BS, documents_b)
     nb_BSD = self.ffn_norm(xb_BSD)
     assignment_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS, mask_b_BS)
     yb_BSD = self.ffn.routed_experts(nb_BSD, assignment_b, replicas)
@@ -92,8 +95,9 @@ class DecoderLayer(nnx.Module):
     return ((constrain(xa_BSD + ya_BSD, _RESIDUAL_STREAM), constrain(xb_BSD + yb_BSD, _RESIDUAL_STREAM)),
             (positions_a_BS, positions_b_BS)), stats
 
-  def _attention_block(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
-    return constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), _RESIDUAL_STREAM)
+  def _attention_block(self, x_BSD: jax.Array, positions_BS: jax.Array,
+                       documents: Documents | None = None) -> jax.Array:
+    return constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, documents), _RESIDUAL_STREAM)
 
 
 # Two halves of a batch's rows, and their positions: ((a_BSD, b_BSD), (positions_a_BS, positions_b_BS)).
@@ -132,10 +136,12 @@ class LayerStack(nnx.Module):
     self.moe = not dense
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, grad_residual: ExpertWeights | None = None,
-               mask_BS: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
+               mask_BS: jax.Array | None = None, documents: Documents | None = None
+               ) -> tuple[jax.Array, MoEStats | None]:
     """Runs the layers in order; MoE statistics come back stacked, one row per layer. `grad_residual`: the error
     feedback of the experts' compressed gradient sum ([layers, replicas, ...] per expert weight), or None.
-    `mask_BS`: the tokens the MoE layers route (MoEBlock.route; None: all).
+    `mask_BS`: the tokens the MoE layers route (MoEBlock.route; None: all). `documents`: attention within
+    packed rows' documents (DecoderLayer), or None.
 
     Where the plan compresses that sum (sharding/gradient_sync.py), the experts' weights of every layer
     become per-replica copies here, before the layer loop, so that the backward pass sums all layers'
@@ -156,17 +162,20 @@ class LayerStack(nnx.Module):
         state, replicas = layer
         state = shardings.with_optimizer_placed_gradients(state, stacked=True)
         return _remat(self.remat, DecoderLayer.__call__, nnx.merge(graphdef, state), x_BSD, positions_BS,
-                      replicas, mask_BS)
+                      replicas, mask_BS, documents)
 
       return jax.lax.scan(one_layer, x_BSD, (stacked, replicas))
 
     def one_layer_in_halves(halves, layer):
       state, replicas = layer
       state = shardings.with_optimizer_placed_gradients(state, stacked=True)
-      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas, masks)
+      return _remat(self.remat, DecoderLayer.two_halves, nnx.merge(graphdef, state), halves, replicas, masks,
+                    documents_halves)
 
     halves = (split_halves(x_BSD, _RESIDUAL_STREAM), split_halves(positions_BS, _RESIDUAL_STREAM[:2]))
     masks = None if mask_BS is None else split_halves(mask_BS, _RESIDUAL_STREAM[:2])
+    documents_halves = None if documents is None else tuple(
+        Documents(*parts) for parts in zip(*(split_halves(a, _RESIDUAL_STREAM[:2]) for a in documents)))
     ((xa_BSD, xb_BSD), _), stats = jax.lax.scan(one_layer_in_halves, halves, (stacked, replicas))
     return join_halves(xa_BSD, xb_BSD, _RESIDUAL_STREAM), stats
 
@@ -196,11 +205,13 @@ class Transformer(nnx.Module):
     self.unembed_DV = (None if cfg.tie_embeddings
                        else param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std))
 
-  def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
+  def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+               documents: Documents | None = None) -> tuple[jax.Array, ModelAux]:
     """Float32 logits [B, S, V] and the MoE statistics, for generation and inspection (the training loss,
     `lm_loss_terms`, never forms the logits whole). `positions_BS` (default 0..S-1 in order) give each
-    token's place in its sequence when the sequence is permuted (see `lm_loss_terms`)."""
-    x_BSD, aux = self.hidden_states(tokens_BS, positions_BS)
+    token's place in its sequence when the sequence is permuted (see `lm_loss_terms`); `documents`: attention
+    within packed rows' documents (layers.Documents), or None."""
+    x_BSD, aux = self.hidden_states(tokens_BS, positions_BS, documents=documents)
     if self.unembed_DV is None:
       logits_BSV = self.embed.attend(x_BSD)
     else:
@@ -208,20 +219,21 @@ class Transformer(nnx.Module):
     return constrain(logits_BSV, output.LOGITS), aux
 
   def hidden_states(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
-                    grad_residual: ExpertWeights | None = None,
-                    mask_BS: jax.Array | None = None) -> tuple[jax.Array, ModelAux]:
+                    grad_residual: ExpertWeights | None = None, mask_BS: jax.Array | None = None,
+                    documents: Documents | None = None) -> tuple[jax.Array, ModelAux]:
     """The final-normed float32 hidden states [B, S, D], which the output layer turns into logits, and the
     MoE statistics. `grad_residual`: the MoE layers' error-feedback inputs (LayerStack), given by train steps.
-    `mask_BS`: the tokens the MoE layers route and count (MoEBlock.route; None: all)."""
+    `mask_BS`: the tokens the MoE layers route and count (MoEBlock.route; None: all). `documents`: as in
+    `__call__`."""
     dtype = jnp.dtype(self.cfg.dtype)
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     x_BSD = constrain(self.embed(tokens_BS, dtype), _RESIDUAL_STREAM)
     if self.dense_layers is not None:
-      x_BSD, _ = self.dense_layers(x_BSD, positions_BS)
+      x_BSD, _ = self.dense_layers(x_BSD, positions_BS, documents=documents)
     stats = None
     if self.moe_layers is not None:
-      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, grad_residual, mask_BS)
+      x_BSD, stats = self.moe_layers(x_BSD, positions_BS, grad_residual, mask_BS, documents)
     return self.final_norm(x_BSD).astype(jnp.float32), _collect(stats, self.cfg.moe.num_experts)
 
   def output_weight(self) -> tuple[jax.Array, bool]:
@@ -263,18 +275,20 @@ def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
 
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
                   mask_BS: jax.Array | None = None, positions_BS: jax.Array | None = None,
-                  grad_residual: ExpertWeights | None = None) -> dict[str, jax.Array]:
+                  grad_residual: ExpertWeights | None = None,
+                  documents: Documents | None = None) -> dict[str, jax.Array]:
   """The parts of the loss of one (micro-)batch, kept apart so micro-batches can be summed exactly.
 
   The loss is a sum over tokens, so their order does not matter: a caller may permute tokens, targets and
   mask alike (context-parallel attention wants its own order) and pass each token's place in its sequence
-  as `positions_BS` (default 0..S-1).
+  as `positions_BS` (default 0..S-1), and with packed documents masked apart, their `documents` in the same
+  order (layers.Documents).
 
   The cross-entropy is computed from the final hidden states in chunks of tokens (models/output.py), so
   the float32 logits [B, S, V] never exist whole at a large vocabulary (`ModelConfig.logits_chunk_bytes`).
   A token the mask leaves out (padding) counts in no loss or statistic: the MoE layers do not route it."""
   mask_BS = jnp.ones(tokens_BS.shape, jnp.float32) if mask_BS is None else mask_BS.astype(jnp.float32)
-  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, grad_residual, mask_BS)
+  x_BSD, aux = model.hidden_states(tokens_BS, positions_BS, grad_residual, mask_BS, documents)
   weight, tied = model.output_weight()
   ce_sum = output.cross_entropy_sum(x_BSD, weight, targets_BS, mask_BS, tied=tied,
                                     chunk_bytes=model.cfg.logits_chunk_bytes)

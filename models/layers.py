@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,17 @@ class Rope:
   def score_scale(self) -> float:
     """YaRN's factor on the attention scores (1 without YaRN or without yarn_mscale_all_dim)."""
     return self._mscale(self.yarn_mscale_all_dim) ** 2 if self.yarn_mscale_all_dim else 1.0
+
+
+class Documents(NamedTuple):
+  """The documents of packed rows (data.document_mask), for attention: each token's `starts_BS`, the place
+  in its row of its document's first token (it attends to the keys from there to its own place), and
+  `rope_positions_BS`, the positions its rotary embedding uses (its place in the row, or with
+  data.restart_positions its place in its document). In the order of the tokens (the plan's
+  sequence_order), like the positions."""
+
+  starts_BS: jax.Array
+  rope_positions_BS: jax.Array
 
 
 def rotate(x_BSNH: jax.Array, positions_BS: jax.Array, rope: Rope | float) -> jax.Array:

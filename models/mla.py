@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshmoe.config import ModelConfig
-from meshmoe.models.layers import RMSNorm, Rope, param, rotate
+from meshmoe.models.layers import Documents, RMSNorm, Rope, param, rotate
 from meshmoe.sharding import context_parallel, tensor_parallel
 
 
@@ -47,7 +47,8 @@ class LatentAttention(nnx.Module):
     self.out_NHD = param(rngs, (n, self.value_dim, d), ("heads", "head_dim", "embed"), std)
     self.rope = Rope.of(cfg)
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, documents: Documents | None = None) -> jax.Array:
+    """As Attention.__call__."""
     if not self.query_rank:
       [q_BSNH] = tensor_parallel.project_in(x_BSD, [self.query_DNH[...]], [("embed", "heads", "head_dim")])
     else:
@@ -59,8 +60,10 @@ class LatentAttention(nnx.Module):
     [kv_BSNH] = tensor_parallel.project_in(self.kv_norm(latent_BSC), [self.kv_up_CNH[...]],
                                            [("kv_lora", "heads", "head_dim")])
     k_nope_BSNH, v_BSNH = kv_BSNH[..., :self.nope], kv_BSNH[..., self.nope:]
-    q_rope_BSNP = rotate(q_BSNH[..., self.nope:], positions_BS, self.rope)
-    k_rope_BS1P = rotate(k_rope_BSP[:, :, None, :], positions_BS, self.rope)
+    rope_BS = positions_BS if documents is None else documents.rope_positions_BS
+    starts_BS = None if documents is None else documents.starts_BS
+    q_rope_BSNP = rotate(q_BSNH[..., self.nope:], rope_BS, self.rope)
+    k_rope_BS1P = rotate(k_rope_BSP[:, :, None, :], rope_BS, self.rope)
     heads = q_BSNH.shape[2]
     k_BSNH = jnp.concatenate([k_nope_BSNH, jnp.broadcast_to(k_rope_BS1P, (*k_rope_BS1P.shape[:2], heads,
                                                                           self.rope_dim))], axis=-1)
@@ -70,5 +73,5 @@ class LatentAttention(nnx.Module):
     qk, width = self.nope + self.rope_dim, max(self.nope + self.rope_dim, self.value_dim)
     q_BSNH = q_BSNH * jnp.asarray(self.rope.score_scale() * math.sqrt(width / qk), q_BSNH.dtype)
     pad = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, width - a.shape[-1]),))
-    o_BSNH = context_parallel.attention(pad(q_BSNH), pad(k_BSNH), pad(v_BSNH), positions_BS)
+    o_BSNH = context_parallel.attention(pad(q_BSNH), pad(k_BSNH), pad(v_BSNH), positions_BS, starts_BS)
     return tensor_parallel.project_out(o_BSNH[..., :self.value_dim], self.out_NHD[...], ("heads", "head_dim", "embed"))

@@ -14,7 +14,10 @@ A block's mask is one of
 - "full": every query sees every key;
 - an int32 array [B, Sq] of offsets: query i sees key j iff j <= offset[i] (positions: the query's position
   minus that of the block's first key, for keys at consecutive positions). The kernels turn it into a
-  per-query end of the keys (tokamax's q_indices with is_causal), never into a [Sq, Sk] mask.
+  per-query end of the keys (tokamax's q_indices with is_causal), never into a [Sq, Sk] mask;
+- a KeyRange (first, end), int32 [B, Sq] each: query i sees key j iff first[i] <= j < end[i] (documents:
+  keys of the query's document up to its position; tokamax's Mask k_start / k_end, which its kernels
+  reduce per tile of queries, skipping tiles no query sees).
 
 `forward` returns the block's normalised output and its softmax statistics (the row maximum m of the
 scaled scores and the denominator l, float32 [B, N, Sq]); context_parallel.py merges blocks with them.
@@ -28,6 +31,7 @@ the kernel's custom VJP.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +42,13 @@ KERNELS = ("mosaic", "triton", "xla")
 GPU_KERNELS = ("mosaic", "triton")
 DTYPES = (jnp.bfloat16, jnp.float16)  # what the GPU kernels take (they compute in bf16/f16 on tensor cores)
 MAX_HEAD_DIM = 256  # Mosaic GPU: larger heads exceed the shared memory of an H100 (q, k and v tiles)
+
+
+class KeyRange(NamedTuple):
+  """The keys each query sees: first[i] <= j < end[i] (int32, [..., B, Sq] each)."""
+
+  first: jax.Array
+  end: jax.Array
 
 
 def unsupported(kernel: str, dtype, head_dim: int) -> str | None:
@@ -77,6 +88,10 @@ def _check_device(kernel: str) -> None:
 
 
 def _mask_args(mask) -> dict:
+  if isinstance(mask, KeyRange):
+    from tokamax._src.ops.attention.base import Mask
+
+    return {"mask": Mask(k_start=mask.first[..., None, :], k_end=mask.end[..., None, :])}  # [..., B, 1, Sq]
   if isinstance(mask, str):
     if mask not in ("causal", "full"):
       raise ValueError(f"unknown block mask {mask!r}: 'causal', 'full' or an array of offsets")
@@ -84,11 +99,16 @@ def _mask_args(mask) -> dict:
   return {"is_causal": True, "q_indices": mask[..., None, :]}  # [..., B, 1 (every head), Sq]
 
 
-def causal(q_BSNH, k_BSGH, v_BSGH, kernel: str) -> jax.Array:
-  """Causal attention over one sequence whose rows are in order (query i sees keys 0..i), differentiable
-  (the kernel's own backward)."""
+def causal(q_BSNH, k_BSGH, v_BSGH, kernel: str, starts_BS=None) -> jax.Array:
+  """Causal attention over one sequence whose rows are in order (query i sees keys 0..i, from starts[i]
+  on when documents' starts are given), differentiable (the kernel's own backward)."""
   _check_device(kernel)
-  return _op(kernel)(q_BSNH, k_BSGH, v_BSGH, is_causal=True)
+  if starts_BS is None:
+    return _op(kernel)(q_BSNH, k_BSGH, v_BSGH, is_causal=True)
+  from tokamax._src.ops.attention.base import Mask
+
+  return _op(kernel)(q_BSNH, k_BSGH, v_BSGH, mask=Mask(k_start=starts_BS[:, None, :].astype(jnp.int32),
+                                                      is_causal=True))
 
 
 def forward(q_BSNH, k_BTGH, v_BTGH, mask, kernel: str):
@@ -120,7 +140,7 @@ def _xla_backward(q_BSNH, k_BTGH, v_BTGH, mask, o_BSNH, m_BNS, l_BNS, do_BSNH):
   lead = q_BSNH.shape[:-4]
   if lead:
     flat = lambda a, rank: a.reshape(-1, *a.shape[len(a.shape) - rank:])
-    mask = mask if isinstance(mask, str) else flat(mask, 1)
+    mask = mask if isinstance(mask, str) else jax.tree.map(lambda a: flat(a, 1), mask)
     grads = _xla_backward(flat(q_BSNH, 3), flat(k_BTGH, 3), flat(v_BTGH, 3), mask, flat(o_BSNH, 3),
                           flat(m_BNS, 2), flat(l_BNS, 2), flat(do_BSNH, 3))
     return tuple(g.reshape(like.shape) for g, like in zip(grads, (q_BSNH, k_BTGH, v_BTGH)))
@@ -133,6 +153,9 @@ def _xla_backward(q_BSNH, k_BTGH, v_BTGH, mask, o_BSNH, m_BNS, l_BNS, do_BSNH):
   s_BGRST = jnp.einsum("bsgrh,btgh->bgrst", q_BSGRH, f32(k_BTGH)) * scale
   if isinstance(mask, str):
     visible_BST = (jnp.tril(jnp.ones((s, t), bool)) if mask == "causal" else jnp.ones((s, t), bool))[None]
+  elif isinstance(mask, KeyRange):
+    keys = jnp.arange(t)[None, None, :]
+    visible_BST = (keys >= mask.first[:, :, None]) & (keys < mask.end[:, :, None])
   else:
     visible_BST = jnp.arange(t)[None, None, :] <= mask[:, :, None]
   stat = lambda x_BNS: x_BNS.reshape(b, g, n // g, s)[..., None]

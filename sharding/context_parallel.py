@@ -46,6 +46,14 @@ merge the steps' score matmuls into one that waits for every transfer, as it doe
 Bytes moved are the plain ring's. `allgather` (already causal) and `ulysses` (all-to-alls of whole
 tensors, nothing to overlap within the op) run the same implementation in every tier.
 
+Documents (data.document_mask). Packed rows hold several documents; a query then also carries its
+document's start, the position of the document's first token, and key j is visible to query i iff
+start_i <= pos_j <= pos_i. Documents are contiguous in the original order, so this is "same document and
+causal". Only queries carry a start: the key side is unchanged, so the all-gather and the rings move nothing
+more, and Ulysses gathers the starts like the positions. Every kind and kernel applies the same bound; the
+layout still decides which blocks are computed (a block whose keys precede a query's document is masked,
+not skipped: which documents a row holds is data, and the blocks' shapes are static).
+
 Blocks accumulate with an online softmax in float32 (running max, denominator and output). The merge is
 commutative and masks with a large finite negative number, so a fully masked block contributes exactly
 zero and never a NaN (-inf - -inf). The running max is kept out of autodiff: the result does not depend
@@ -108,23 +116,24 @@ def zigzag_order(seq_len: int, num_shards: int) -> np.ndarray:
                          for d in range(num_shards)])
 
 
-def causal_attention(q_BSNH, k_BSGH, v_BSGH, q_pos_BS, k_pos_BS) -> jax.Array:
-  """Attention where query i sees key j iff k_pos[j] <= q_pos[i]; GQA (query head n uses key/value
-  head n // (N/G)); scores scaled by 1/sqrt(H); softmax in float32; output in q's dtype. A query that
-  sees no key gets zeros."""
-  stats = _block(_group(q_BSNH, k_BSGH.shape[2]), k_BSGH, v_BSGH, q_pos_BS, k_pos_BS)
+def causal_attention(q_BSNH, k_BSGH, v_BSGH, q_pos_BS, k_pos_BS, q_starts_BS=None) -> jax.Array:
+  """Attention where query i sees key j iff k_pos[j] <= q_pos[i] (and q_starts[i] <= k_pos[j], given
+  document starts); GQA (query head n uses key/value head n // (N/G)); scores scaled by 1/sqrt(H); softmax
+  in float32; output in q's dtype. A query that sees no key gets zeros."""
+  stats = _block(_group(q_BSNH, k_BSGH.shape[2]), k_BSGH, v_BSGH, q_pos_BS, k_pos_BS, q_starts_BS)
   return _finish(stats, q_BSNH)
 
 
 def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, implementation: str,
-                      axis_names: parallel.Axes, kernel: str = "") -> jax.Array:
+                      axis_names: parallel.Axes, kernel: str = "", starts_BS=None) -> jax.Array:
   """Causal attention inside jax.shard_map over a sequence split over `axis_names`, by `implementation`
   (a key of IMPLEMENTATIONS; module docstring), its blocks computed by `kernel`: "" for the einsum blocks,
   else a kernel of attention_kernels.KERNELS (tokamax's flash attention; module docstring, "Kernels").
 
   q/k/v/pos are this device's rows of a sequence permuted by zigzag_order(S, n) (n: the product of the
   axes' sizes) and split contiguously over `axis_names` in that order (device index
-  jax.lax.axis_index(axis_names)); pos_BS holds the rows' original positions. Heads are local. Returns
+  jax.lax.axis_index(axis_names)); pos_BS holds the rows' original positions and starts_BS, if given, the
+  positions of their documents' first tokens (module docstring, "Documents"). Heads are local. Returns
   this device's output rows, laid out like q. `zigzag_ring` relies on the zigzag layout, the others only
   on positions; `local` takes no axes. With a kernel, every implementation relies on the layout: the
   original positions are consecutive (0..S-1 for the train step), `local`'s rows in order."""
@@ -133,14 +142,14 @@ def sharded_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, *, implementation: str,
   if kernel:
     if kernel not in attention_kernels.KERNELS:
       raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(attention_kernels.KERNELS)}")
-    return _FLASH_IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names, kernel)
-  return IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, axis_names)
+    return _FLASH_IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axis_names, kernel)
+  return IMPLEMENTATIONS[implementation](q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axis_names)
 
 
-def _local_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+def _local_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes):
   if axes:
     raise ValueError(f"local attention takes no mesh axes, got {axes}")
-  return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS)
+  return causal_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, starts_BS)
 
 
 def _axis_size(axes: parallel.Axes) -> int:
@@ -153,11 +162,13 @@ def _group(q_BSNH, num_kv_heads: int) -> jax.Array:
   return q_BSNH.reshape(b, s, num_kv_heads, n // num_kv_heads, h)
 
 
-def _block(q_BSGRH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT):
+def _block(q_BSGRH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, q_starts_BS=None):
   """Online-softmax statistics of queries against one key block: (max, denominator, output), float32."""
   scale = q_BSGRH.shape[-1] ** -0.5
   s_BGRST = jnp.einsum("bsgrh,btgh->bgrst", q_BSGRH, k_BTGH, preferred_element_type=jnp.float32) * scale
   visible_BST = k_pos_BT[:, None, :] <= q_pos_BS[:, :, None]
+  if q_starts_BS is not None:
+    visible_BST &= k_pos_BT[:, None, :] >= q_starts_BS[:, :, None]
   s_BGRST = jnp.where(visible_BST[:, None, None], s_BGRST, _MASKED)
   # The softmax does not depend on the running max; keeping it out of autodiff avoids ties' gradients.
   m_BGRS = jax.lax.stop_gradient(jnp.max(s_BGRST, axis=-1))
@@ -189,7 +200,7 @@ def _chunk_len(q_BSNH) -> int:
   return q_BSNH.shape[1] // 2
 
 
-def _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+def _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes):
   c = _chunk_len(q_BSNH)
   n = _axis_size(axes)
   r = jax.lax.axis_index(axes)
@@ -201,9 +212,9 @@ def _allgather_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
     # Natural chunk m is the first half of device m's rows if m < n, else the second half of device
     # 2n-1-m's: gathered rows [2m c, (2m+1) c) or [(4n-1-2m) c, (4n-2m) c).
     k_start = jnp.where(key_chunk < n, 2 * key_chunk, 4 * n - 1 - 2 * key_chunk) * c
-    rows = lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, c, axis=1)
+    rows = lambda a, at: None if a is None else jax.lax.dynamic_slice_in_dim(a, at, c, axis=1)
     return _block(rows(q_BSGRH, q_start), rows(k_BTGH, k_start), rows(v_BTGH, k_start), rows(pos_BS, q_start),
-                  rows(pos_BT, k_start))
+                  rows(pos_BT, k_start), rows(starts_BS, q_start))
 
   # Block j is (early, key chunk j) for j <= r, else (late, key chunk j-r-1). As 0 <= r < n, block 0 is
   # always early and blocks n..2n always late; only blocks 1..n-1 pick their query chunk at run time. The
@@ -228,34 +239,34 @@ def _select(pred, a, b):
   return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+def _ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes):
   n = _axis_size(axes)
   shift = [(i, (i + 1) % n) for i in range(n)]
   q_BSGRH = _group(q_BSNH, k_BSGH.shape[2])
   block = (k_BSGH, v_BSGH, pos_BS)
   stats = None
   for step in range(n):
-    new = _block(q_BSGRH, block[0], block[1], pos_BS, block[2])
+    new = _block(q_BSGRH, block[0], block[1], pos_BS, block[2], starts_BS)
     stats = new if stats is None else _merge(stats, new)
     if step < n - 1:  # the last block needs no onward transfer
       block = tuple(jax.lax.ppermute(a, axes, shift) for a in block)
   return _finish(stats, q_BSNH)
 
 
-def _zigzag_ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+def _zigzag_ring_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes):
   """The `xla` ring (module docstring): transfers ahead of compute, causal quarter blocks only."""
   c = _chunk_len(q_BSNH)
   n = _axis_size(axes)
   r = jax.lax.axis_index(axes)
   shift = [(i, (i + 1) % n) for i in range(n)]
   q_BSGRH = _group(q_BSNH, k_BSGH.shape[2])
-  rows = lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, c, axis=1)
+  rows = lambda a, at: None if a is None else jax.lax.dynamic_slice_in_dim(a, at, c, axis=1)
 
   def attend(q_start, block, k_start):
     """Stats of the c queries from local row q_start against the c keys from row k_start of `block`."""
     k_BTGH, v_BTGH, pos_BT = block
     return _block(rows(q_BSGRH, q_start), rows(k_BTGH, k_start), rows(v_BTGH, k_start), rows(pos_BS, q_start),
-                  rows(pos_BT, k_start))
+                  rows(pos_BT, k_start), rows(starts_BS, q_start))
 
   block = (k_BSGH, v_BSGH, pos_BS)
   for step in range(n):
@@ -284,12 +295,14 @@ def _after(done, operand):
   return jax.lax.optimization_barrier((done, operand))
 
 
-def _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes):
+def _ulysses_attention(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes):
   n = _axis_size(axes)
   _check_ulysses_heads(k_BSGH.shape[2], n)
   to_heads = lambda a: jax.lax.all_to_all(a, axes, 2, 1, tiled=True)  # [B, S/n, X, H] -> [B, S, X/n, H]
-  pos_all = jax.lax.all_gather(pos_BS, axes, axis=1, tiled=True)
-  o_BSNH = causal_attention(to_heads(q_BSNH), to_heads(k_BSGH), to_heads(v_BSGH), pos_all, pos_all)
+  gather = lambda a: None if a is None else jax.lax.all_gather(a, axes, axis=1, tiled=True)
+  pos_all = gather(pos_BS)
+  o_BSNH = causal_attention(to_heads(q_BSNH), to_heads(k_BSGH), to_heads(v_BSGH), pos_all, pos_all,
+                            gather(starts_BS))
   return jax.lax.all_to_all(o_BSNH, axes, 1, 2, tiled=True)
 
 
@@ -308,13 +321,14 @@ IMPLEMENTATIONS = {"local": _local_attention, "allgather": _allgather_attention,
 # (attention_kernels.py; module docstring, "Kernels").
 
 
-def _flash_local(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+def _flash_local(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes, kernel):
   if axes:
     raise ValueError(f"local attention takes no mesh axes, got {axes}")
-  return attention_kernels.causal(q_BSNH, k_BSGH, v_BSGH, kernel)  # rows in order (sharded_attention)
+  # Rows in order (sharded_attention): positions are row indices, and so are the documents' starts.
+  return attention_kernels.causal(q_BSNH, k_BSGH, v_BSGH, kernel, starts_BS)
 
 
-def _flash_ulysses(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+def _flash_ulysses(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes, kernel):
   n = _axis_size(axes)
   _check_ulysses_heads(k_BSGH.shape[2], n)
   c = _chunk_len(q_BSNH)
@@ -323,22 +337,25 @@ def _flash_ulysses(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
   order = zigzag_order(2 * n, n)  # zigzag chunk i is natural chunk order[i]
   chunks = lambda a, perm: a.reshape(a.shape[0], 2 * n, c, *a.shape[2:])[:, perm].reshape(a.shape)
   natural = lambda a: chunks(to_heads(a), np.argsort(order))
-  o_BSNH = chunks(attention_kernels.causal(natural(q_BSNH), natural(k_BSGH), natural(v_BSGH), kernel), order)
+  starts = None if starts_BS is None else chunks(jax.lax.all_gather(starts_BS, axes, axis=1, tiled=True),
+                                                 np.argsort(order))
+  o_BSNH = chunks(attention_kernels.causal(natural(q_BSNH), natural(k_BSGH), natural(v_BSGH), kernel, starts),
+                  order)
   return jax.lax.all_to_all(o_BSNH, axes, 1, 2, tiled=True)
 
 
-def _flash_allgather(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
+def _flash_allgather(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes, kernel):
   # Gathered outside the blocks' custom VJP: autodiff reduce-scatters the gathered K/V's gradients.
   k_BTGH, v_BTGH, pos_BT = (jax.lax.all_gather(a, axes, axis=1, tiled=True) for a in (k_BSGH, v_BSGH, pos_BS))
-  return _flash_blocks(q_BSNH, k_BTGH, v_BTGH, pos_BS, pos_BT, axes, kernel, "allgather")
+  return _flash_blocks(q_BSNH, k_BTGH, v_BTGH, pos_BS, pos_BT, starts_BS, axes, kernel, "allgather")
 
 
-def _flash_ring(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
-  return _flash_blocks(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, axes, kernel, "ring")
+def _flash_ring(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes, kernel):
+  return _flash_blocks(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, starts_BS, axes, kernel, "ring")
 
 
-def _flash_zigzag_ring(q_BSNH, k_BSGH, v_BSGH, pos_BS, axes, kernel):
-  return _flash_blocks(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, axes, kernel, "zigzag_ring")
+def _flash_zigzag_ring(q_BSNH, k_BSGH, v_BSGH, pos_BS, starts_BS, axes, kernel):
+  return _flash_blocks(q_BSNH, k_BSGH, v_BSGH, pos_BS, pos_BS, starts_BS, axes, kernel, "zigzag_ring")
 
 
 class _Block(NamedTuple):
@@ -403,12 +420,18 @@ def _stacked(group: list[_Block]):
   return q_rows, kv_rows
 
 
-def _kernel_mask(group: list[_Block], q_pos_BS, k_pos_BT):
-  """The group's mask as attention_kernels takes it: "causal", "full", or query offsets [blocks, B, Sq]."""
-  if group[0].mask != "positions":
+def _kernel_mask(group: list[_Block], q_pos_BS, k_pos_BT, q_starts_BS):
+  """The group's mask as attention_kernels takes it: "causal", "full", query offsets [blocks, B, Sq], or with
+  documents the key range of each query, (first, end) [blocks, B, Sq] each, relative to the block's first
+  key (keys at consecutive positions: a diagonal block's end is the causal one, a full block's is past
+  its last key)."""
+  if q_starts_BS is None and group[0].mask != "positions":
     return group[0].mask
-  return jnp.stack([_rows(q_pos_BS, b.q_start, b.q_len) - _rows(k_pos_BT, b.k_start, 1)  # first key: [B, 1]
-                    for b in group]).astype(jnp.int32)
+  relative = lambda a: jnp.stack([_rows(a, b.q_start, b.q_len) - _rows(k_pos_BT, b.k_start, 1)  # first key
+                                  for b in group]).astype(jnp.int32)
+  if q_starts_BS is None:
+    return relative(q_pos_BS)
+  return attention_kernels.KeyRange(relative(q_starts_BS), relative(q_pos_BS) + 1)
 
 
 def _per_query(x_BNS):
@@ -432,15 +455,15 @@ def _merge_rows(stats, start, block_stats):
   return put(m_BNS, m, 2), put(l_BNS, l, 2), put(o_BSNH, o, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash_blocks(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, kind):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash_blocks(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, q_starts_BS, axes, kernel, kind):
   """The blocks of `kind` ("allgather": one source, the gathered K/V; "ring", "zigzag_ring": the local
   K/V travelling round the ring), merged. Its backward calls the kernel's backward per block with the
   merged statistics (attention_kernels.py), the K/V gradients travelling back round the ring."""
-  return _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, kind)[0]
+  return _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, q_starts_BS, axes, kernel, kind)[0]
 
 
-def _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, kind):
+def _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, q_starts_BS, axes, kernel, kind):
   c = _chunk_len(q_BSNH)
   n = _axis_size(axes)
   r = jax.lax.axis_index(axes)
@@ -461,19 +484,19 @@ def _flash_blocks_fwd(q_BSNH, k_BTGH, v_BTGH, q_pos_BS, k_pos_BT, axes, kernel, 
     k, v, k_pos = source
     for group in _groups(_schedule(kind, step, r, n, c)):
       q_rows, kv_rows = _stacked(group)
-      out = attention_kernels.forward(q_rows(q_BSNH), kv_rows(k), kv_rows(v), _kernel_mask(group, q_pos_BS, k_pos),
-                                      kernel)
+      mask = _kernel_mask(group, q_pos_BS, k_pos, q_starts_BS)
+      out = attention_kernels.forward(q_rows(q_BSNH), kv_rows(k), kv_rows(v), mask, kernel)
       for i, block in enumerate(group):
         stats = _merge_rows(stats, block.q_start, [a[i] for a in out])
     if step < steps - 1:
       source = incoming if kind == "zigzag_ring" else send(source)
   m_BNS, l_BNS, o_BSNH = stats
   o_BSNH = (o_BSNH / _per_query(jnp.where(l_BNS > 0, l_BNS, 1.0))).astype(q_BSNH.dtype)
-  return o_BSNH, (q_BSNH, q_pos_BS, tuple(sources), o_BSNH, m_BNS, l_BNS)
+  return o_BSNH, (q_BSNH, q_pos_BS, q_starts_BS, tuple(sources), o_BSNH, m_BNS, l_BNS)
 
 
 def _flash_blocks_bwd(axes, kernel, kind, residuals, do_BSNH):
-  q_BSNH, q_pos_BS, sources, o_BSNH, m_BNS, l_BNS = residuals
+  q_BSNH, q_pos_BS, q_starts_BS, sources, o_BSNH, m_BNS, l_BNS = residuals
   c = _chunk_len(q_BSNH)
   n = _axis_size(axes)
   r = jax.lax.axis_index(axes)
@@ -489,7 +512,7 @@ def _flash_blocks_bwd(axes, kernel, kind, residuals, do_BSNH):
     for group in _groups(_schedule(kind, step, r, n, c)):
       q_rows, kv_rows = _stacked(group)
       gq, gk, gv = attention_kernels.backward(
-          q_rows(q_BSNH), kv_rows(k), kv_rows(v), _kernel_mask(group, q_pos_BS, k_pos), kernel,
+          q_rows(q_BSNH), kv_rows(k), kv_rows(v), _kernel_mask(group, q_pos_BS, k_pos, q_starts_BS), kernel,
           q_rows(o_BSNH), q_rows(m_BNS, 2), q_rows(l_BNS, 2), q_rows(do_BSNH))
       for i, block in enumerate(group):
         dq = _add_rows(dq, block.q_start, gq[i])
@@ -499,7 +522,7 @@ def _flash_blocks_bwd(axes, kernel, kind, residuals, do_BSNH):
     dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     if step:
       arrived = tuple(jax.lax.ppermute(a, axes, back) for a in (dk, dv))
-  return dq.astype(q_BSNH.dtype), dk, dv, None, None
+  return dq.astype(q_BSNH.dtype), dk, dv, None, None, None
 
 
 _flash_blocks.defvjp(_flash_blocks_fwd, _flash_blocks_bwd)
@@ -511,23 +534,26 @@ _FLASH_IMPLEMENTATIONS = {"local": _flash_local, "allgather": _flash_allgather, 
 # The parallel op models call: the functions above wrapped in shard_map under the active plan.
 
 
-def attention(q_BSNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, positions_BS: jax.Array) -> jax.Array:
-  """Causal GQA attention by positions; with the sequence split over devices (`act_attn_seq`), as the
-  active plan says. The sequence must be in the plan's `sequence_order`."""
+def attention(q_BSNH: jax.Array, k_BSGH: jax.Array, v_BSGH: jax.Array, positions_BS: jax.Array,
+              document_starts_BS: jax.Array | None = None) -> jax.Array:
+  """Causal GQA attention by positions, within documents when their starts are given (module docstring);
+  with the sequence split over devices (`act_attn_seq`), as the active plan says. The sequence must be in
+  the plan's `sequence_order`."""
   plan = current()
   if plan is None:
-    return causal_attention(q_BSNH, k_BSGH, v_BSGH, positions_BS, positions_BS)
+    return causal_attention(q_BSNH, k_BSGH, v_BSGH, positions_BS, positions_BS, document_starts_BS)
   q_spec = plan.activation_spec(QUERY_AXES)
   kv_spec = plan.activation_spec(("act_batch", "act_attn_seq", "act_kv_heads", None))
   axes = plan.attention_axes()
   pos_spec = parallel.spec_of(parallel.dim_axes(q_spec, 0), axes)
   choice = plan.attention(q_BSNH.dtype, q_BSNH.shape[-1])
 
-  def body(q, k, v, pos):
+  def body(q, k, v, pos, starts=None):
     return sharded_attention(q, k, v, pos, implementation=choice.implementation, axis_names=axes,
-                             kernel=choice.kernel_backend)
+                             kernel=choice.kernel_backend, starts_BS=starts)
 
+  operands = [q_BSNH, k_BSGH, v_BSGH, positions_BS] + ([] if document_starts_BS is None else [document_starts_BS])
+  specs = (q_spec, kv_spec, kv_spec) + (pos_spec,) * (len(operands) - 3)
   # tokamax's Mosaic GPU kernels cannot take operands that vary over mesh axes (parallel.shard_map).
-  return parallel.shard_map(plan, body, (q_spec, kv_spec, kv_spec, pos_spec), q_spec,
-                            check_vma=not choice.kernel_backend)(q_BSNH, k_BSGH, v_BSGH, positions_BS)
+  return parallel.shard_map(plan, body, specs, q_spec, check_vma=not choice.kernel_backend)(*operands)
 

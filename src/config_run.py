@@ -100,6 +100,13 @@ class DataConfig:
   # "byte" (vocabulary 256) or the path of a Hugging Face tokenizer.json; "tokenized" datasets name their own.
   tokenizer: str = "byte"
   packing: bool = True  # concatenate documents into full rows; else one document per row, padded
+  # Packed rows: a token attends only to earlier tokens of its own document (documents end with the
+  # tokenizer's end-of-document token; the batch carries each token's document start). Off: every token
+  # attends to every earlier token of its row, from other documents too.
+  document_mask: bool = False
+  # With document_mask: rotary positions count from 0 in each document. Rotary attention depends only on
+  # position differences, so this changes rounding, not the function; it matches recipes that restart them.
+  restart_positions: bool = False
   loader_threads: int = 4  # background threads that read and assemble batches ahead; 0: in the train loop
 
 
@@ -220,6 +227,11 @@ def validate_data(d: DataConfig) -> None:
   if not isinstance(d.tokenizer, str) or not (d.tokenizer == "byte" or d.tokenizer.endswith(".json")):
     raise ConfigError("data.tokenizer", d.tokenizer, "'byte' or the path of a tokenizer.json file")
   check_bool("data.packing", d.packing)
+  check_bool("data.document_mask", d.document_mask)
+  check_bool("data.restart_positions", d.restart_positions)
+  if d.restart_positions and not d.document_mask:
+    raise ConfigError("data.restart_positions", d.restart_positions,
+                      "False unless data.document_mask=True (positions restart where documents are masked apart)")
   check_int("data.loader_threads", d.loader_threads, 0, "an integer >= 0 (0: load in the train loop)")
 
 

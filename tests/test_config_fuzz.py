@@ -93,7 +93,7 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            "optimizer.name": config_lib.OPTIMIZERS,
            "model.moe.balance_loss": config_lib.BALANCE_LOSSES}
 BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
-         "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "checkpoint.async_save",
+         "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "data.document_mask", "checkpoint.async_save",
          "parallel.gradient_error_feedback"]
 
 BAD: dict[str, st.SearchStrategy] = {
@@ -135,6 +135,7 @@ BAD: dict[str, st.SearchStrategy] = {
                             | not_a_string),
     "data.paths": not_a_string | st.text(min_size=1, max_size=8).filter(str.strip),  # stdlib takes no paths
     "data.eval_paths": not_a_string,
+    "data.restart_positions": bool_bad() | st.just(True),  # True needs data.document_mask (default False)
     "data.eval_fraction": between_bad(0, 1, low_ok=False, high_ok=False),
     "data.tokenizer": not_a_string | st.text(max_size=8).filter(lambda s: s != "byte" and not s.endswith(".json")),
     "sample.prompt": not_a_string | st.just(""),

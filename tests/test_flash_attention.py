@@ -206,10 +206,10 @@ def _score_buffers(hlo: str, c: int) -> list[str]:
   return sorted(f"f32[{dims}]" for dims in shapes if sum(int(d) >= c for d in dims.split(",")) >= 2)
 
 
-def _h100_attention(kind: str, n: int, attention_kernel: str = "auto") -> str:
+def _h100_attention(kind: str, n: int, attention_kernel: str = "auto", documents: bool = False) -> str:
   """The scheduled HLO of forward and backward of context_parallel.attention (bf16, GQA) on n H100s
   splitting the sequence (`kind`: the plan's attention kind; n = 1: one H100, the sequence whole, local),
-  under the plan's kernel."""
+  under the plan's kernel; with `documents`, masked within packed documents (their starts an input)."""
   mesh = gpu_mesh((1, 1, 1, n), ("data", "expert", "tensor", "sequence"))
   plan = ParallelPlan.for_mesh(mesh, "megascale" if n > 1 else "dp", ParallelConfig(
       impl="xla", attention=kind if n > 1 else "allgather", attention_kernel=attention_kernel))
@@ -219,13 +219,13 @@ def _h100_attention(kind: str, n: int, attention_kernel: str = "auto") -> str:
   kv = jax.ShapeDtypeStruct((GPU_B, GPU_S, GPU_G, GPU_H), jnp.bfloat16, sharding=q_sharding)
   pos = jax.ShapeDtypeStruct((GPU_B, GPU_S), jnp.int32, sharding=NamedSharding(mesh, P(*q_sharding.spec[:2])))
 
-  def forward_and_grads(q, k, v, pos):
+  def forward_and_grads(q, k, v, pos, starts=None):
     with use_plan(plan):
-      out, vjp = jax.vjp(lambda q, k, v: cp.attention(q, k, v, pos), q, k, v)
+      out, vjp = jax.vjp(lambda q, k, v: cp.attention(q, k, v, pos, starts), q, k, v)
     return out, vjp(out)
 
   with deviceless.targeting(mesh):
-    lowered = jax.jit(forward_and_grads).lower(q, kv, kv, pos)
+    lowered = jax.jit(forward_and_grads).lower(q, kv, kv, pos, *[pos] * documents)
   return deviceless.compile_for_analysis(lowered).as_text()
 
 
@@ -235,6 +235,15 @@ def test_h100_program_runs_mosaic_kernels_and_keeps_no_score_buffer(kind, n, ker
   # diagonal and the full blocks, forward and backward. ring (the xla tier's zigzag ring): 2 calls at the
   # first step and 1 at the other, forward and backward.
   hlo = _h100_attention(kind, n)
+  assert hlo.count('custom_call_target="mosaic_gpu') == kernels
+  assert not _score_buffers(hlo, GPU_S // n // 2), _score_buffers(hlo, GPU_S // n // 2)
+
+
+@pytest.mark.parametrize("kind,n,kernels", [("local", 1, 3), ("allgather", 4, 6), ("ring", 2, 2 + 1 + 2 * (2 + 1))])
+def test_h100_program_masks_documents_in_the_same_kernels(kind, n, kernels):
+  """With packed documents (data.document_mask) the same Mosaic calls run, each with the queries' key ranges,
+  and still no score buffer."""
+  hlo = _h100_attention(kind, n, documents=True)
   assert hlo.count('custom_call_target="mosaic_gpu') == kernels
   assert not _score_buffers(hlo, GPU_S // n // 2), _score_buffers(hlo, GPU_S // n // 2)
 

@@ -13,6 +13,9 @@ Every source ends up in token_store.py's on-disk format: "tokenized" names datas
 - The iterator's state (checkpointed with every step) is the number of global batches read plus the
   tokens each dataset has contributed: a checkpoint resumes under any process count.
 - Eval: each dataset's own eval split, read in order, `train.eval_batches` batches per dataset.
+- Documents (data.document_mask): each batch also holds "document_starts", each input token's place in its
+  row of its document's first token: 0, or the place after the row's last end-of-document token before it
+  (`document_starts`). Found from the tokens, so nothing is held per document.
 Memory: a packed run holds nothing per row or per document, so its resident memory does not grow with the
 corpus (experiments/benchmarks/data_loader.py measures it); unpacked rows cost 16 bytes each.
 """
@@ -67,13 +70,14 @@ def build_data(config: Config, rows: range | None = None, log=print) -> Data:
                                          f"the eval split of dataset {name!r} ({manifest.folder})")
   mixture = Mixture(weights)
   seeds = [zlib.crc32(f"{train.seed}/{name}".encode()) for name in names]
-  batches = _Batches(train_rows, mixture, seeds, batch_size, rows, train.seq_len, names)
+  eos = _document_end(config, tokenizer)
+  batches = _Batches(train_rows, mixture, seeds, batch_size, rows, train.seq_len, names, eos)
   # Always explicit: grain's default (read_options=None) is 16 threads and 500 batches ahead.
   options = grain.ReadOptions(num_threads=cfg.loader_threads, prefetch_buffer_size=2 * cfg.loader_threads)
   dataset = grain.MapDataset.source(batches).to_iter_dataset(options)
   evals = {}
   for name in names:
-    source = _Batches([eval_rows[name]], Mixture([1.0]), None, batch_size, rows, train.seq_len, [name])
+    source = _Batches([eval_rows[name]], Mixture([1.0]), None, batch_size, rows, train.seq_len, [name], eos)
     evals[name] = [_without_counts(source[b]) for b in range(train.eval_batches)]
   return Data(tokenizer, TrainIterator(iter(dataset), batches), evals, names, mixture.weights,
               _unigram_entropy(train_rows, mixture.weights, tokenizer.vocab_size),
@@ -117,9 +121,10 @@ class _Batches:
   """grain random-access source: element b = this process's rows of global batch b (an endless stream)."""
 
   def __init__(self, sources, mixture: Mixture, seeds: list[int] | None, batch_size: int, rows: range,
-               seq_len: int, names: list[str]):
+               seq_len: int, names: list[str], document_end: int | None = None):
     self.sources, self.mixture, self.seeds = sources, mixture, seeds
     self.batch_size, self.rows, self.seq_len, self.names = batch_size, rows, seq_len, names
+    self.document_end = document_end  # the end-of-document token, when batches carry document starts
 
   def __len__(self) -> int:
     return sys.maxsize
@@ -150,9 +155,32 @@ class _Batches:
     lengths = np.empty(len(self.rows), np.int64)
     for i, r in enumerate(self.rows):
       lengths[i] = self.sources[dataset[r]].read(int(row[r]), tokens[i])
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "mask": (np.arange(self.seq_len) < lengths[:, None] - 1).astype(np.float32),
-            "source_tokens": self._counts(dataset, row)}
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "mask": (np.arange(self.seq_len) < lengths[:, None] - 1).astype(np.float32),
+             "source_tokens": self._counts(dataset, row)}
+    if self.document_end is not None:
+      batch["document_starts"] = document_starts(batch["inputs"], self.document_end)
+    return batch
+
+
+def document_starts(inputs: np.ndarray, document_end: int) -> np.ndarray:
+  """[rows, S] int32: each token's place of its document's first token in its row: the place after the last
+  `document_end` token before it, or 0 (a row may begin inside a document)."""
+  places = np.arange(inputs.shape[1])
+  after_end = np.zeros(inputs.shape, bool)
+  after_end[:, 1:] = inputs[:, :-1] == document_end
+  return np.maximum.accumulate(np.where(after_end, places, 0), axis=1).astype(np.int32)
+
+
+def _document_end(config: Config, tokenizer) -> int | None:
+  """The token that ends documents, when batches carry document starts (data.document_mask)."""
+  if not config.data.document_mask:
+    return None
+  if tokenizer.eos_id is None:
+    raise ConfigError("data.document_mask", True,
+                      "False with this tokenizer: it has no end-of-document token, so packed rows do not mark "
+                      "where documents begin")
+  return int(tokenizer.eos_id)
 
 
 def _without_counts(batch: dict) -> dict:

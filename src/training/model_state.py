@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshmoe.config import Config
 from meshmoe.models import hf_checkpoint
 from meshmoe.models.decoder import Transformer
+from meshmoe.models.layers import Documents
 from meshmoe.sharding import gradient_sync
 from meshmoe.sharding.grouped_ffn import ExpertWeights
 from meshmoe.sharding.plan import ParallelPlan
@@ -81,6 +82,21 @@ def in_sequence_order(plan: ParallelPlan, tokens_BS: jax.Array, targets_BS: jax.
   positions_BS = jnp.broadcast_to(jnp.asarray(order_S), tokens_BS.shape)
   tokens_BS, targets_BS, mask_BS = (a[:, order_S] for a in (tokens_BS, targets_BS, mask_BS))
   return tokens_BS, targets_BS, mask_BS, positions_BS
+
+
+def documents_in_sequence_order(plan: ParallelPlan, starts_BS: jax.Array | None,
+                                restart_positions: bool) -> Documents | None:
+  """The packed rows' documents (models/layers.Documents) from each token's document start (the batch's
+  "document_starts", in row order), permuted like `in_sequence_order`'s tokens; None without starts. Rotary
+  positions count from each document's start when `restart_positions` (data.restart_positions)."""
+  if starts_BS is None:
+    return None
+  order_S = plan.sequence_order(starts_BS.shape[1])
+  places_BS = jnp.broadcast_to(jnp.arange(starts_BS.shape[1]) if order_S is None else jnp.asarray(order_S),
+                               starts_BS.shape)
+  if order_S is not None:
+    starts_BS = starts_BS[:, order_S]
+  return Documents(starts_BS, places_BS - starts_BS if restart_positions else places_BS)
 
 
 def abstract_gradient_residual(config: Config, plan: ParallelPlan) -> ExpertWeights | None:

@@ -35,7 +35,8 @@ from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan, with_weight_placed_gradients
 from meshmoe.training import master_weights
 from meshmoe.training import optimizer as optimizer_lib
-from meshmoe.training.model_state import (abstract_gradient_residual, abstract_model_state, in_sequence_order,
+from meshmoe.training.model_state import (abstract_gradient_residual, abstract_model_state, documents_in_sequence_order,
+                                          in_sequence_order,
                                           init_gradient_residual, init_model, init_optimizer_state,
                                           optimizer_state_shardings)
 
@@ -144,11 +145,15 @@ def _local_index(index: tuple[slice, ...], rows: range, shape: tuple[int, ...]) 
 
 
 def abstract_batch(config: Config, plan: ParallelPlan) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes, dtypes and shardings of a global batch (to compile the step before data arrives)."""
+  """Shapes, dtypes and shardings of a global batch (to compile the step before data arrives); with
+  data.document_mask, each token's document start too (the data pipeline's "document_starts")."""
   shape, sharding = (config.train.global_batch_size, config.train.seq_len), plan.batch_sharding()
-  return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
-          "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
-          "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+  batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
+           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
+           "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+  if config.data.document_mask:
+    batch["document_starts"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+  return batch
 
 
 def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
@@ -157,13 +162,17 @@ def _microbatches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Arra
 
 
 def loss_terms(graphdef, params, others, batch: dict[str, jax.Array], plan: ParallelPlan,
-               grad_residual=None) -> dict[str, jax.Array]:
+               grad_residual=None, restart_positions: bool = False) -> dict[str, jax.Array]:
   """The loss terms of one (micro-)batch (decoder.lm_loss_terms), traced under `plan`; `grad_residual`: the
-  error-feedback input of the experts' compressed gradient sum (its gradient is the new grad_residual)."""
+  error-feedback input of the experts' compressed gradient sum (its gradient is the new grad_residual). A
+  batch with "document_starts" is attended within its documents, rotary positions restarting in each
+  when `restart_positions` (data.document_mask, data.restart_positions)."""
   with use_plan(plan):
     tokens, targets, mask, positions = in_sequence_order(plan, batch["inputs"], batch["targets"], batch["mask"])
+    documents = documents_in_sequence_order(plan, batch.get("document_starts"), restart_positions)
     params = with_weight_placed_gradients(params)
-    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions, grad_residual)
+    return lm_loss_terms(nnx.merge(graphdef, params, others), tokens, targets, mask, positions, grad_residual,
+                         documents)
 
 
 def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: ParallelPlan, shardings) -> Callable:
@@ -184,7 +193,7 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
     in_float32 = lambda grads: jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
     def loss_of(params, grad_residual, micro, earlier_load_LE):
-      terms = loss_terms(graphdef, params, state.others, micro, plan, grad_residual)
+      terms = loss_terms(graphdef, params, state.others, micro, plan, grad_residual, config.data.restart_positions)
       if moe.balance_loss == "global_batch":  # against the step's loads so far (MoEConfig.balance_loss)
         terms = {**terms, "aux_loss": global_batch_balance_loss(terms, earlier_load_LE)}
       return combine_loss_terms(terms, moe, total_tokens, count), terms
@@ -246,7 +255,7 @@ def _make_eval_step(graphdef, config: Config, plan: ParallelPlan) -> Callable:
     if plan.distributed_optimizer:  # the weights the train step computes with, gathered once per eval batch
       dtypes = master_weights.compute_dtypes(params, config.model.dtype)
       params = master_weights.resident(params, dtypes, plan.weight_shardings(params))
-    terms = loss_terms(graphdef, params, others, batch, plan)
+    terms = loss_terms(graphdef, params, others, batch, plan, restart_positions=config.data.restart_positions)
     return {"ce_sum": terms["ce_sum"], "tokens": terms["tokens"]}
 
   return jax.jit(eval_step, out_shardings=plan.replicated())

@@ -96,9 +96,11 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     compile_start = time.perf_counter()
     step_fn = trainer.train_step.lower(state, train_step.abstract_batch(config, plan)).compile()
     if is_primary:
-      o = config.optimizer
+      o, d = config.optimizer, config.data
+      documents = ("; documents masked apart" + (", positions restarting" if d.restart_positions else "")
+                   if d.document_mask else "")
       print(f"{config.train.steps - first_step} steps to go ({o.name}, peak learning rate {o.learning_rate:g}, "
-            f"{o.schedule} schedule); train step compiled in {time.perf_counter() - compile_start:.1f}s; "
+            f"{o.schedule} schedule{documents}); train step compiled in {time.perf_counter() - compile_start:.1f}s; "
             f"{data.train_tokens:,} train / {data.eval_tokens:,} eval tokens", flush=True)
   elif is_primary:
     print(f"the run has already trained its {config.train.steps} steps (train.steps): evaluating and sampling "
