@@ -38,6 +38,7 @@ flags.DEFINE_string("impl", None, f"parallel-op tier: {', '.join(IMPLS)}")
 flags.DEFINE_string("layer_schedule", None, f"MoE layers' schedule: {', '.join(LAYER_SCHEDULES)}")
 flags.DEFINE_string("gradient_compression", None,
                     f"the routed experts' gradient sum: {', '.join(GRADIENT_COMPRESSIONS)}")
+flags.DEFINE_bool("document_mask", False, "attend within synthetic packed documents (data.document_mask)")
 FLAGS = flags.FLAGS
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 
@@ -75,6 +76,7 @@ def main(argv):
     config.parallel.layer_schedule = FLAGS.layer_schedule
   if FLAGS.gradient_compression:
     config.parallel.gradient_compression = FLAGS.gradient_compression
+  config.data.document_mask = config.data.document_mask or FLAGS.document_mask
   for axis in ("data", "expert", "tensor", "sequence"):
     if getattr(FLAGS, axis) is not None:
       setattr(config.mesh, axis, getattr(FLAGS, axis))

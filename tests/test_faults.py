@@ -42,6 +42,28 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_the_rerun_resumes_bitwise(ref
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor", "lion"])
+def test_a_run_killed_with_sigkill_resumes_bitwise(tmp_path, optimizer):
+  """kill -9 mid-run (no chance to save), then the same command: it resumes from the newest complete
+  checkpoint and ends with the uninterrupted run's state, bit for bit, with each optimizer's state (AdamW's:
+  the SIGTERM test above, and test_data_runs.py's kill)."""
+  flags = [*runs.SMALL_FLAGS, "--config.train.steps=12", "--config.checkpoint.every_steps=4",
+           f"--config.optimizer.name={optimizer}"]
+  reference = tmp_path / "reference"
+  runs.run(runs.train_command(reference, *flags))
+  workdir, log = tmp_path / "killed", tmp_path / "killed.log"
+  process = runs.start(runs.train_command(workdir, *flags), log)
+  runs.wait_for_step(log, 10, process)  # the step-4 checkpoint is complete, step 8's perhaps
+  os.killpg(process.pid, signal.SIGKILL)
+  process.wait()
+  assert runs.last_step(workdir) < 12
+  saved = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  result = runs.run(runs.train_command(workdir, *flags))
+  assert re.search(r"resuming from the checkpoint of step [48]\b", result.stdout), (saved, result.stdout[:3000])
+  runs.assert_bitwise_equal(runs.checkpoint_arrays(workdir, 12), runs.checkpoint_arrays(reference, 12))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", [1, 0], ids=["worker-killed", "coordinator-killed"])
 def test_a_killed_process_does_not_leave_the_other_hanging(tmp_path, killed):
   """kill -9 of one of 2 processes: the survivor exits non-zero within the watchdog timeout, naming the step.
