@@ -14,7 +14,9 @@ loses only the rows it had not finished), in the order given:
   ragged kernel), per group: relative Frobenius error <= GEMM_TOLERANCE, every value finite, empty groups'
   weight gradients exactly 0; then (b) timed on balanced routing: TFLOP/s of useful FLOPs (2 M K N);
 - `attention`: causal GQA attention forward and backward, tokamax's flash kernels and jax.nn's cuDNN and
-  XLA versions, checked against float32 attention (output and the three gradients) and timed;
+  XLA versions, checked against float32 attention (output and the three gradients) and timed; tokamax's
+  kernels also within packed documents (data.document_mask: each query's key range), against float32
+  attention within the same documents;
 - `train`: experiments.train on the one GPU, moe_1b and a one-GPU proxy of Qwen3-30B-A3B (its real widths,
   128 experts top-8, PROXY_LAYERS layers): tokens/s and MFU over the logged steps after the first (no
   checkpoint is written); `moe_1b_before` runs moe_1b with the kernels of before the table (tokamax's
@@ -37,6 +39,7 @@ that the script works, not a measurement.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -252,30 +255,46 @@ def attention_part(info: dict) -> None:
 
   shapes = {"tiny": (1, 64, 4, 2, 16)} if FLAGS.dry_run else {c: ATTENTION_SHAPES[c] for c in FLAGS.shapes
                                                               if c in ATTENTION_SHAPES}
-  impls = {"tokamax_mosaic": lambda q, k, v: attention_kernels.causal(q, k, v, "mosaic"),
-           "tokamax_triton": lambda q, k, v: attention_kernels.causal(q, k, v, "triton"),
-           "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-           "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")}
+  # name -> (attention of q, k, v given each token's document start or None, whether packed documents)
+  impls = {"tokamax_mosaic": (lambda q, k, v, _: attention_kernels.causal(q, k, v, "mosaic"), False),
+           "tokamax_triton": (lambda q, k, v, _: attention_kernels.causal(q, k, v, "triton"), False),
+           "cudnn": (lambda q, k, v, _: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                      implementation="cudnn"), False),
+           "xla": (lambda q, k, v, _: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                    implementation="xla"), False),
+           # data.document_mask: the same kernels with each query's key range
+           "tokamax_mosaic_documents": (lambda q, k, v, st: attention_kernels.causal(q, k, v, "mosaic", st), True),
+           "tokamax_triton_documents": (lambda q, k, v, st: attention_kernels.causal(q, k, v, "triton", st), True)}
   if FLAGS.dry_run:
-    impls = {"tokamax_xla": lambda q, k, v: attention_kernels.causal(q, k, v, "xla"), "xla": impls["xla"]}
+    impls = {"tokamax_xla": (lambda q, k, v, _: attention_kernels.causal(q, k, v, "xla"), False),
+             "tokamax_xla_documents": (lambda q, k, v, st: attention_kernels.causal(q, k, v, "xla", st), True),
+             "xla": impls["xla"]}
   for config, (bsz, s, nh, g, h) in shapes.items():
     keys = jax.random.split(jax.random.key(2), 4)
     q, k, v, ct = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
                    for key, shape in zip(keys, ((bsz, s, nh, h), (bsz, s, g, h), (bsz, s, g, h), (bsz, s, nh, h))))
     pos = jnp.broadcast_to(jnp.arange(s), (bsz, s))
+    # Packed documents of an eighth, three eighths and two quarters of the row.
+    lengths = [s // 8, 3 * s // 8, s // 4, s - s // 8 - 3 * s // 8 - s // 4]
+    starts = jnp.broadcast_to(jnp.asarray(np.repeat(np.cumsum([0] + lengths[:-1]), lengths), jnp.int32), (bsz, s))
     f32 = lambda t: t.astype(jnp.float32)
 
-    def reference(q, k, v, ct):
+    def reference(q, k, v, ct, starts):
       with jax.default_matmul_precision("highest"):
-        out, pullback = jax.vjp(lambda q, k, v: cp.causal_attention(q, k, v, pos, pos), f32(q), f32(k), f32(v))
+        out, pullback = jax.vjp(lambda q, k, v: cp.causal_attention(q, k, v, pos, pos, starts), f32(q), f32(k),
+                                f32(v))
         return (out, *pullback(f32(ct)))
-    ref = jax.jit(reference)(q, k, v, ct)
-    flops = 4.0 * bsz * nh * h * s * (s + 1) / 2
-    for name, fn in impls.items():
+    refs = {False: jax.jit(reference)(q, k, v, ct, None), True: jax.jit(reference)(q, k, v, ct, starts)}
+    for name, (attend, documents) in impls.items():
       if not wanted(name):
         continue
+      spans = lengths if documents else [s]
+      flops = 4.0 * bsz * nh * h * sum(n * (n + 1) / 2 for n in spans)
+      fn = functools.partial(lambda q, k, v, attend, st: attend(q, k, v, st), attend=attend,
+                             st=starts if documents else None)
+      ref = refs[documents]
       row = info | {"part": "attention", "config": config, "candidate": name, "implementation": name,
-                    "shape": [bsz, s, nh, g, h], "flops_forward": flops}
+                    "shape": [bsz, s, nh, g, h], "flops_forward": flops, "documents": lengths if documents else None}
       if out_of_time(margin_s=10):
         emit(row | {"note": "not run: out of time"})
         continue
