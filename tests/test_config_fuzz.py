@@ -69,13 +69,13 @@ POSITIVE_INTS = ["model.kv_lora_rank", "model.qk_nope_head_dim", "model.v_head_d
 NON_NEGATIVE_INTS = ["data.loader_threads", "model.q_lora_rank", "model.logits_chunk_bytes", "model.moe.num_shared_experts", "parallel.gemm_block_rows",
                      "optimizer.warmup_steps",
                      "train.eval_every", "sample.max_new_tokens",
-                     "resilience.straggler_every_steps"]
+                     "resilience.straggler_every_steps", "resilience.timeline_every_steps"]
 POSITIVE_FLOATS = ["model.yarn_beta_fast", "model.yarn_beta_slow", "model.rope_theta", "model.norm_eps", "model.init_std", "model.moe.routed_scaling",
                    "optimizer.learning_rate", "optimizer.eps", "optimizer.muon_update_rms",
                    "resilience.watchdog_timeout_s"]
 NON_NEGATIVE_FLOATS = ["model.yarn_mscale", "model.yarn_mscale_all_dim", "model.moe.aux_loss_weight", "model.moe.z_loss_weight", "model.moe.expert_bias_update_rate",
                        "optimizer.weight_decay", "optimizer.grad_clip_norm", "train.peak_flops_per_device",
-                       "sample.temperature"]
+                       "sample.temperature", "resilience.debug_slow_device_s"]
 CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_lib.DTYPES, "model.remat": config_lib.REMAT_POLICIES,
            "model.moe.score_fn": config_lib.SCORE_FNS, "parallel.grouped_gemm": config_lib.GROUPED_GEMMS,
            "mesh.preset": config_lib.PRESETS, "mesh.weight_storage": config_lib.WEIGHT_STORAGES,
@@ -140,6 +140,8 @@ BAD: dict[str, st.SearchStrategy] = {
     "data.tokenizer": not_a_string | st.text(max_size=8).filter(lambda s: s != "byte" and not s.endswith(".json")),
     "sample.prompt": not_a_string | st.just(""),
     "resilience.straggler_factor": between_bad(1, math.inf, low_ok=False, high_ok=False),
+    "resilience.timeline_factor": between_bad(1, math.inf, low_ok=False, high_ok=False),
+    "resilience.debug_slow_device": st.integers(max_value=-2) | not_an_int,
 }
 
 

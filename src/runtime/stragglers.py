@@ -88,14 +88,21 @@ class Monitor:
       return None
     from jax.experimental import multihost_utils
 
-    if self._hosts is None:
-      name = np.frombuffer(socket.gethostname().encode()[:64].ljust(64), np.uint8)
-      self._hosts = [bytes(row).decode().strip() for row in multihost_utils.process_allgather(name)]
+    self.hosts()
     mine = np.array([self._own / self._steps, self._wall / self._steps], np.float32)
     gathered = multihost_utils.process_allgather(mine)
     self._own = self._wall = 0.0
     self._steps = 0
     return find_stragglers(gathered[:, 0].tolist(), gathered[:, 1].tolist(), self.factor)
+
+  def hosts(self) -> list[str]:
+    """Each process's host name, gathered on the first call (a collective then: all processes must call)."""
+    if self._hosts is None:
+      from jax.experimental import multihost_utils
+
+      name = np.frombuffer(socket.gethostname().encode()[:64].ljust(64), np.uint8)
+      self._hosts = [bytes(row).decode().strip() for row in multihost_utils.process_allgather(name)]
+    return self._hosts
 
   def describe(self, step: int, c: Comparison) -> str:
     """The log line naming the stragglers of a comparison that found some."""

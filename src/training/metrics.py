@@ -101,6 +101,11 @@ class MetricsLogger:
     if self.is_primary:
       self._write("processes", step, metrics, list_item="process")
 
+  def log_devices(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """A device-timeline sample (meshmoe.runtime.device_timeline): JSON and TensorBoard, per-device lists."""
+    if self.is_primary:
+      self._write("devices", step, metrics, list_item="device")
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()

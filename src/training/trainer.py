@@ -28,7 +28,7 @@ from meshmoe.analysis import cost_model
 from meshmoe.config import Config, ConfigError, profile_range
 from meshmoe.data import pipeline as data_lib
 from meshmoe.models import hf_checkpoint, hf_export
-from meshmoe.runtime import distributed, gpu_memory, nonfinite, resilience, stragglers
+from meshmoe.runtime import device_timeline, distributed, gpu_memory, nonfinite, resilience, slow_device, stragglers
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.training import hf_convert, metrics as metrics_lib, model_state, report, sampling, train_step
@@ -82,6 +82,10 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     print(f"parameters from {config.train.init_from[3:]} in {time.perf_counter() - load_start:.1f}s "
           f"({loaded['bytes_read'] / 1e6:,.3f} MB read by process {jax.process_index()})", flush=True)
   trainer, state = train_step.create(config, plan, variables)
+  if config.resilience.debug_slow_device >= 0:  # tests and demonstrations only (slow_device.py)
+    trainer = dataclasses.replace(trainer, train_step=slow_device.slowed(
+        trainer.train_step, plan, config.resilience.debug_slow_device, config.resilience.debug_slow_device_s,
+        trainer.state_shardings))
   restored = checkpointer.restore_latest(state)
   skipped_steps = 0
   if restored is not None:
@@ -157,6 +161,10 @@ class _Loop:
     self.data, self.eval_batches, self.checkpointer, self.plan = data, eval_batches, checkpointer, plan
     self.step_delay_s, self.nonfinite = step_delay_s, nonfinite_monitor
     self.stragglers = stragglers.Monitor(config.resilience, jax.process_count(), jax.process_index())
+    self.timelines = device_timeline.Sampler(config.resilience)
+    if self.timelines.every and step_fn is not None:  # which of the step's instructions are collectives
+      self.timelines.ops = device_timeline.program_ops(step_fn.as_text())
+    self._step_s = None  # the newest logged step time (measured, untraced steps)
     self.final_loss, self.eval_loss = float("nan"), None
     self._checked = self._saved = -1  # the newest step whose health was read, and the newest saved
 
@@ -189,7 +197,15 @@ class _Loop:
           jax.profiler.start_trace(str(self.workdir / "profile"))
           tracing = True
         batch = train_step.place_batch(next(self.data.train), c, self.plan)
+        sampled = self.timelines.due(done) and not tracing and step > first_step and self._step_s is not None
+        if sampled:  # this step alone in the trace: the steps before it finish first
+          jax.block_until_ready(state)
+          self.timelines.start()
         state, metrics = self.step_fn(state, batch)
+        if sampled:
+          watchdog.beat(f"device timeline of step {done}")
+          jax.block_until_ready(state)
+          self._judge_timelines(done, self.timelines.finish(), logger)
         self._check(pending, state, watchdog)  # the previous step, while this one runs
         pending = (done, metrics)
         if tracing and (done == profile.stop or done == c.train.steps):
@@ -202,6 +218,8 @@ class _Loop:
           logger.log_train(done, _train_record(metrics, step_time, tokens_per_step, flops_per_step, peak)
                            | {"skipped_steps": self.nonfinite.skipped_steps}
                            | {f"tokens/{name}": n for name, n in self.data.train.source_token_counts().items()})
+          if not sampled:
+            self._step_s = step_time
           last_log_time, last_log_step = time.perf_counter(), done
         self.stragglers.step_finished()
         if (c.train.eval_every and done % c.train.eval_every == 0) or done == c.train.steps:
@@ -230,6 +248,39 @@ class _Loop:
         watchdog.beat("evaluation")
         self.eval_loss = evaluate_sources(self.eval_fn, state, self.eval_batches, self.data.weights)["loss"]
     return state, None
+
+  def _judge_timelines(self, step: int, local: list[device_timeline.DeviceTimeline], logger) -> None:
+    """Gathers every process's device timelines of a sampled step, attributes, logs and records it."""
+    # Every process must hold timelines of one length (the same collectives) before they are gathered.
+    lengths = {len(t.compute_s) for t in local}
+    length = np.array([lengths.pop() if len(lengths) == 1 else -1])
+    if jax.process_count() > 1:
+      length = np.asarray(multihost_utils.process_allgather(length)).ravel()
+    if length.min() < 0 or len(set(length.tolist())) > 1:
+      if jax.process_index() == 0:
+        print(f"warning: step {step}: device timelines skipped: the trace holds different numbers of "
+              f"collectives per device ({sorted(set(length.tolist()))}; an incomplete trace)", flush=True)
+      return
+    rows = device_timeline.pack(local)
+    if jax.process_count() > 1:
+      rows = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[-1])
+    timelines = sorted(device_timeline.unpack(rows), key=lambda t: t.device)
+    reading, named = self.timelines.judge(timelines)
+    owner = {d.id: d.process_index for d in jax.devices()}
+    hosts = self.stragglers.hosts()  # every process calls it: a collective the first time
+    record = {"device": reading.devices, "process": [owner[d] for d in reading.devices],
+              "compute_s": reading.compute_s, "transfer_s": reading.transfer_s, "wait_s": reading.wait_s,
+              "flagged": -1 if reading.flagged is None else reading.flagged, "flagged_kind": reading.kind or "",
+              "named": -1 if named is None else named[0], "named_kind": "" if named is None else named[1],
+              "step_s_measured": self._step_s, "step_s_modelled": reading.modelled_step_s,
+              "cost_s_modelled": reading.cost_s,
+              "step_without_s_estimated": self._step_s - reading.cost_s}
+    logger.log_devices(step, record)
+    if named is not None and jax.process_index() == 0:
+      device, kind = named
+      what = "computes slowly" if kind == "compute" else "transfers slowly in its collectives"
+      print(f"warning: step {step}: device {device} (process {owner[device]}, "
+            f"{hosts[owner[device]]}) {what}: {device_timeline.describe(reading, self._step_s)}", flush=True)
 
   def _check(self, pending, state, watchdog: resilience.Watchdog) -> None:
     """Reads the health of step `pending[0]` once (blocking until it has run) and applies the NaN policy."""
