@@ -143,10 +143,10 @@ class ResilienceConfig:
   straggler_factor: float = 1.5
   # Every this many steps, one step runs under jax.profiler and each device's compute, transfer and waiting
   # are read from its own timeline (0: never; src/runtime/device_timeline.py, with its cost): a device
-  # whose compute or transfer exceeds the median device's by `timeline_factor`, in 2 of the last 3
-  # samples, is named with what it costs per step.
+  # whose slow compute or transfers cost the step at least `timeline_min_cost` of its time, in 2 of the
+  # last 3 samples, is named with what it costs per step.
   timeline_every_steps: int = 0
-  timeline_factor: float = 1.25
+  timeline_min_cost: float = 0.05
   # Debugging and tests only (src/runtime/slow_device.py): device `debug_slow_device` (an id; -1: none)
   # sleeps `debug_slow_device_s` seconds inside every train step.
   debug_slow_device: int = -1
@@ -299,7 +299,7 @@ def validate_resilience(r: ResilienceConfig) -> None:
   if not is_number(r.straggler_factor) or not 1 < r.straggler_factor < math.inf:
     raise ConfigError("resilience.straggler_factor", r.straggler_factor, "a finite number > 1")
   check_int("resilience.timeline_every_steps", r.timeline_every_steps, 0, "an integer >= 0 (0: never sample)")
-  if not is_number(r.timeline_factor) or not 1 < r.timeline_factor < math.inf:
-    raise ConfigError("resilience.timeline_factor", r.timeline_factor, "a finite number > 1")
+  if not is_number(r.timeline_min_cost) or not 0 < r.timeline_min_cost < 1:
+    raise ConfigError("resilience.timeline_min_cost", r.timeline_min_cost, "a fraction of the step strictly between 0 and 1")
   check_int("resilience.debug_slow_device", r.debug_slow_device, -1, "a device id, or -1 (none)")
   check_non_negative("resilience.debug_slow_device_s", r.debug_slow_device_s, "a finite number of seconds >= 0")

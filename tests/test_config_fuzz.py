@@ -140,7 +140,7 @@ BAD: dict[str, st.SearchStrategy] = {
     "data.tokenizer": not_a_string | st.text(max_size=8).filter(lambda s: s != "byte" and not s.endswith(".json")),
     "sample.prompt": not_a_string | st.just(""),
     "resilience.straggler_factor": between_bad(1, math.inf, low_ok=False, high_ok=False),
-    "resilience.timeline_factor": between_bad(1, math.inf, low_ok=False, high_ok=False),
+    "resilience.timeline_min_cost": between_bad(0, 1, low_ok=False, high_ok=False),
     "resilience.debug_slow_device": st.integers(max_value=-2) | not_an_int,
 }
 

@@ -89,7 +89,7 @@ def test_a_device_whose_compute_is_slow_is_flagged_with_its_cost():
   compute = [[1.0, 2.0, 1.0]] * 8
   compute[5] = [2.0, 4.0, 2.0]  # every segment twice as long
   transfer = [[0.5, 0.5]] * 8
-  reading = dt.attribute(_timelines(compute, transfer), factor=1.25)
+  reading = dt.attribute(_timelines(compute, transfer), min_cost=0.1)
   assert (reading.flagged, reading.kind) == (5, "compute")
   assert reading.modelled_step_s == pytest.approx(2 + 4 + 2 + 0.5 + 0.5)  # the slowest device, per segment
   assert reading.modelled_without_s == pytest.approx(1 + 2 + 1 + 0.5 + 0.5)
@@ -100,22 +100,31 @@ def test_a_device_whose_links_are_slow_is_flagged_as_communication():
   compute = [[1.0, 1.0, 1.0]] * 8
   transfer = [[0.5, 0.5]] * 8
   transfer[2] = [1.5, 1.5]
-  reading = dt.attribute(_timelines(compute, transfer), factor=1.25)
+  reading = dt.attribute(_timelines(compute, transfer), min_cost=0.1)
   assert (reading.flagged, reading.kind) == (2, "communication")
   assert reading.cost_s == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("slow", [1.2, 1.02])
-def test_nothing_is_flagged_below_the_factor_or_below_five_percent_of_the_step(slow):
+def test_a_device_held_up_in_one_segment_is_flagged_though_its_total_is_the_median():
+  """An oversubscribed CPU: the held-up device runs its other segments faster while the others wait."""
+  compute = [[1.0, 1.0, 1.0]] * 8
+  compute[6] = [1.6, 0.7, 0.7]  # total 3.0, as every other device's
+  reading = dt.attribute(_timelines(compute, [[0.1, 0.1]] * 8), min_cost=0.1)
+  assert (reading.flagged, reading.kind) == (6, "compute") and reading.cost_s == pytest.approx(0.6)
+  assert (reading.worst_s, reading.worst_median_s) == (1.6, 1.0)
+
+
+@pytest.mark.parametrize("slow,flagged", [(1.4, None), (1.6, 3)])
+def test_a_device_is_flagged_only_when_it_costs_the_least_share_of_the_step(slow, flagged):
   compute = [[1.0, 1.0]] * 8
-  compute[3] = [slow, 1.0]  # 1.2: under the factor 1.25 (total 2.2 against 2.0); 1.02: too little either way
-  reading = dt.attribute(_timelines(compute, [[0.1]] * 8), factor=1.25 if slow > 1.1 else 1.001)
-  assert reading.flagged is None and reading.cost_s == 0
+  compute[3] = [slow, 1.0]  # saves slow - 1 of a modelled step of slow + 1 + 0.1: 0.4 / 2.5 = 16%, 0.6 / 2.7 = 22%
+  reading = dt.attribute(_timelines(compute, [[0.1]] * 8), min_cost=0.2)
+  assert reading.flagged == flagged and (reading.cost_s > 0) == (flagged is not None)
 
 
 def test_timelines_of_different_lengths_are_an_incomplete_trace():
   with pytest.raises(ValueError, match="incomplete trace"):
-    dt.attribute(_timelines([[1.0, 1.0], [1.0]], [[0.1], []]), factor=1.25)
+    dt.attribute(_timelines([[1.0, 1.0], [1.0]], [[0.1], []]), min_cost=0.1)
 
 
 def test_pack_and_unpack_round_trip():

@@ -21,11 +21,14 @@ segments), and each collective's waiting (on CPU the rendezvous inside it, until
 arrived) and transfer (the rest). A GPU trace does not show the wait inside a NCCL kernel: there the whole
 collective counts as transfer, and only a cluster run can show how well that separates slow links.
 
-Attribution (`attribute`). A device computes slowly when its compute seconds exceed the median device's by
-`resilience.timeline_factor` (its kernels take longer than the same kernels elsewhere: every device runs
-the same ones); its links are slow when its transfer seconds do, waiting excluded (waiting is what the
-others do for it). Of the devices flagged, the one whose removal saves most is named, and only when that is
-at least 5% of the step (`_MIN_COST_FRACTION`: below it timer noise dominates). `Sampler` names a device
+Attribution (`attribute`). Every device runs the same kernels, so a device whose compute segments, or
+whose collectives' transfers (waiting excluded: waiting is what the others do for it), take longer than
+the median device's holds the others up. For each device and each of the two kinds, the what-if below
+gives what the step would save if that device's segments of that kind were the median device's; the
+device and kind that save most are flagged ("slow compute" or "slow communication") when the saving is at
+least `resilience.timeline_min_cost` of the step (below it, timer noise dominates: measured in
+RESULTS.md). Segments, not totals: on an oversubscribed CPU a device that is held up in one segment runs
+its other kernels faster while the others wait, so only the segment shows it. `Sampler` names a device
 after it is flagged with the same kind in 2 of the last 3 samples, so one noisy sample names nobody.
 
 What-if (modelled). The step as the timeline's critical path with collectives as barriers: each segment
@@ -43,13 +46,14 @@ in the next collective, as for a throttled GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
 import os
 import re
 import shutil
-import statistics
+import sys
 import tempfile
 
 import numpy as np
@@ -59,9 +63,14 @@ from meshmoe.config import ResilienceConfig
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 CONTAINERS = ("while", "call", "conditional")  # ops whose contents are ops of their own
-_MIN_COST_FRACTION = 0.05
 _CONFIRMATIONS, _WINDOW = 2, 3  # named when flagged in 2 of the last 3 samples
 _GPU_DEVICE = re.compile(r"/device:GPU:(\d+)")
+# What xprof's converter logs on every call though nothing is wrong (it has no newer processor for the
+# trace viewer and uses its older one).
+_XPROF_NOISE = re.compile(r"No UnifiedProfileProcessor registered|Unified processor not found|Remapping device id"
+                          r"|serving tool:|Using local processing|TraceViewerProcessor|XProf HLO fixer"
+                          r"|GenerateDerivedTimeLines|XprofThreadPoolExecutor|PreprocessSingleHostXSpace"
+                          r"|ConvertXSpaceToTraceEventsString|Total time for tool")
 
 
 @dataclasses.dataclass
@@ -101,9 +110,31 @@ def read_trace(folder: str) -> list[dict]:
   runs = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*")))
   if not runs:
     raise FileNotFoundError(f"no jax.profiler trace under {folder}")
-  data, _ = raw_to_tool_data.xspace_to_tool_data(sorted(glob.glob(os.path.join(runs[-1], "*.xplane.pb"))),
-                                                 "trace_viewer", {})
+  with _without_xprof_noise():
+    data, _ = raw_to_tool_data.xspace_to_tool_data(sorted(glob.glob(os.path.join(runs[-1], "*.xplane.pb"))),
+                                                   "trace_viewer", {})
   return json.loads(data)["traceEvents"]
+
+
+@contextlib.contextmanager
+def _without_xprof_noise():
+  """Standard error (file descriptor 2: the converter logs from C++) captured while the converter runs and
+  written out again without xprof's routine lines; whatever else was written in that time is kept."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+              if not _XPROF_NOISE.search(line)]
+      if kept:
+        sys.stderr.write("".join(kept))
+        sys.stderr.flush()
 
 
 def device_timelines(events: list[dict], module_prefix: str, ops: ProgramOps) -> dict[int, DeviceTimeline]:
@@ -177,14 +208,19 @@ class Attribution:
   kind: str | None
   modelled_step_s: float
   modelled_without_s: float  # the modelled step with the flagged device at the median device's speed
+  # the flagged device's seconds, and the median device's, in the segment (or collective) where it exceeds
+  # the median most
+  worst_s: float = 0.0
+  worst_median_s: float = 0.0
 
   @property
   def cost_s(self) -> float:
     return self.modelled_step_s - self.modelled_without_s
 
 
-def attribute(timelines: list[DeviceTimeline], factor: float) -> Attribution:
-  """Which device, if any, is slow in this sample, and what it costs (module docstring)."""
+def attribute(timelines: list[DeviceTimeline], min_cost: float) -> Attribution:
+  """Which device, if any, is slow in this sample, and what it costs (module docstring); `min_cost`: the
+  least saving, as a fraction of the modelled step, that flags a device."""
   lengths = {len(t.compute_s) for t in timelines}
   if len(lengths) != 1:
     raise ValueError(f"the devices' timelines hold different numbers of collectives ({sorted(lengths)}): "
@@ -194,27 +230,30 @@ def attribute(timelines: list[DeviceTimeline], factor: float) -> Attribution:
   totals = {"compute": compute.sum(axis=1), "communication": transfer.sum(axis=1)}
   step = modelled_step_s(compute, transfer)
   best = (None, None, step)
-  for kind, total in totals.items():
-    median = statistics.median(total.tolist())
-    for i in np.flatnonzero(total > factor * median):
+  for kind in totals:
+    for i in range(len(timelines)):
       fixed_compute, fixed_transfer = compute.copy(), transfer.copy()
       fixed = fixed_compute if kind == "compute" else fixed_transfer
       fixed[i] = np.median(fixed, axis=0)
       without = modelled_step_s(fixed_compute, fixed_transfer)
-      if without < best[2] and step - without >= _MIN_COST_FRACTION * step:
-        best = (int(i), kind, without)
+      if without < best[2] and step - without >= min_cost * step:
+        best = (i, kind, without)
   index, kind, without = best
+  worst = worst_median = 0.0
+  if index is not None:
+    values = compute if kind == "compute" else transfer
+    median = np.median(values, axis=0)
+    k = int(np.argmax(values[index] - median))
+    worst, worst_median = float(values[index, k]), float(median[k])
   return Attribution([t.device for t in timelines], totals["compute"].tolist(), totals["communication"].tolist(),
                      [float(t.wait_s.sum()) for t in timelines], None if index is None else timelines[index].device,
-                     kind, step, without)
+                     kind, step, without, worst, worst_median)
 
 
 def describe(reading: Attribution, step_s: float) -> str:
   """The evidence of a flagged device, for the log."""
-  i = reading.devices.index(reading.flagged)
-  median = statistics.median
-  return (f"compute {reading.compute_s[i]:.3f} s against the median device's {median(reading.compute_s):.3f} s, "
-          f"transfer {reading.transfer_s[i]:.3f} s against {median(reading.transfer_s):.3f} s; it costs "
+  what = "a compute segment" if reading.kind == "compute" else "a collective's transfer"
+  return (f"{what} of {reading.worst_s:.3f} s where the median device takes {reading.worst_median_s:.3f} s; it costs "
           f"{reading.cost_s:.3f} s per step (modelled; {100 * reading.cost_s / reading.modelled_step_s:.0f}%): "
           f"about {step_s - reading.cost_s:.3f} s per step without it, against {step_s:.3f} s measured")
 
@@ -234,7 +273,7 @@ class Sampler:
   """Samples one step's device timelines every N steps and names a slow device once it is confirmed."""
 
   def __init__(self, cfg: ResilienceConfig, module_prefix: str = "jit_train_step"):
-    self.every, self.factor, self.module_prefix = cfg.timeline_every_steps, cfg.timeline_factor, module_prefix
+    self.every, self.min_cost, self.module_prefix = cfg.timeline_every_steps, cfg.timeline_min_cost, module_prefix
     self._flags: list[tuple[int, str] | None] = []
     self._folder = None
     self.ops: ProgramOps | None = None  # of the sampled program: set by the caller before `finish`
@@ -262,7 +301,7 @@ class Sampler:
   def judge(self, timelines: list[DeviceTimeline]) -> tuple[Attribution, tuple[int, str] | None]:
     """This sample's attribution (over every process's devices) and the device named, confirmed by the
     samples before it, or None."""
-    reading = attribute(timelines, self.factor)
+    reading = attribute(timelines, self.min_cost)
     self._flags = (self._flags + [None if reading.flagged is None else (reading.flagged, reading.kind)])[-_WINDOW:]
     candidate = self._flags[-1]
     named = candidate if candidate is not None and self._flags.count(candidate) >= _CONFIRMATIONS else None

@@ -197,7 +197,9 @@ class _Loop:
           jax.profiler.start_trace(str(self.workdir / "profile"))
           tracing = True
         batch = train_step.place_batch(next(self.data.train), c, self.plan)
-        sampled = self.timelines.due(done) and not tracing and step > first_step and self._step_s is not None
+        # The same decision on every process (the sample ends in collectives): never inside the profiled
+        # steps (one trace at a time), nor at a start or before a step time is known.
+        sampled = self.timelines.due(done) and step not in profile and step > first_step and self._step_s is not None
         if sampled:  # this step alone in the trace: the steps before it finish first
           jax.block_until_ready(state)
           self.timelines.start()
@@ -273,7 +275,7 @@ class _Loop:
               "flagged": -1 if reading.flagged is None else reading.flagged, "flagged_kind": reading.kind or "",
               "named": -1 if named is None else named[0], "named_kind": "" if named is None else named[1],
               "step_s_measured": self._step_s, "step_s_modelled": reading.modelled_step_s,
-              "cost_s_modelled": reading.cost_s,
+              "cost_s_modelled": reading.cost_s, "worst_s": reading.worst_s, "worst_median_s": reading.worst_median_s,
               "step_without_s_estimated": self._step_s - reading.cost_s}
     logger.log_devices(step, record)
     if named is not None and jax.process_index() == 0:
