@@ -286,7 +286,10 @@ class Sampler:
     import jax
 
     self._folder = tempfile.mkdtemp(prefix="meshmoe_timeline_")
-    jax.profiler.start_trace(self._folder)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no Python function events: only the host's and the devices' own
+    options.enable_hlo_proto = False  # the instructions' kinds come from the compiled program's text
+    jax.profiler.start_trace(self._folder, profiler_options=options)
 
   def finish(self) -> list[DeviceTimeline]:
     """Stops the trace started by `start` (the step must have finished) and reads this process's devices."""
