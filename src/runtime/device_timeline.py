@@ -6,8 +6,8 @@ same collectives, which host timers cannot tell apart. This module reads the dev
 Sampling (`resilience.timeline_every_steps`; 0, the default: off). Every N steps the trainer runs one step
 under jax.profiler (a trace into a temporary folder, deleted after reading) and each process reduces its
 trace on the spot to a few numbers per device; only those travel between processes (one all-gather), never
-trace files. Cost: the traced step (on the CPU benchmark about twice a step) plus the reading (about a
-second there), once per N steps: `experiments/benchmarks/RESULTS.md` has the measured figure.
+trace files. Cost: the traced step's own overhead plus the reading, about 2 s per sample on the CPU
+benchmark (steps of 0.43 s there: +9% at one sample in 50); `experiments/benchmarks/RESULTS.md`.
 
 Reading. xprof, the maintained reader of jax.profiler's XSpace protobufs, converts the trace to the trace
 viewer's JSON. Every XLA op event of the train step's module names its device (on CPU the event's
@@ -15,8 +15,8 @@ viewer's JSON. Every XLA op event of the train step's module names its device (o
 compiled program's HLO text gives (`program_ops`; names alone do not tell: a psum may be called
 "psum_invariant.14"). Ops that contain other ops (while, call, conditional) are not counted, their contents
 are. Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; an async pair
-counts at its start) are the step's synchronisation points; every device runs the same program, so the k-th collective of each device is the
-same one. Per device: the compute seconds before each collective and after the last (`compute_s`, K + 1
+counts at its start) are the step's synchronisation points; every device runs the same program, so the
+k-th collective of each device is the same one. Per device: the compute seconds before each collective and after the last (`compute_s`, K + 1
 segments), and each collective's waiting (on CPU the rendezvous inside it, until every participant has
 arrived) and transfer (the rest). A GPU trace does not show the wait inside a NCCL kernel: there the whole
 collective counts as transfer, and only a cluster run can show how well that separates slow links.
@@ -40,7 +40,7 @@ which modelled.
 
 Fault injection, for tests and for trying this out (`resilience.debug_slow_device`,
 `debug_slow_device_s`): the chosen device sleeps that long inside every step, in a host callback on that
-device's own thread (train_step.py), so its compute segments lengthen and every other device waits for it
+device's own thread (slow_device.py), so its compute segments lengthen and every other device waits for it
 in the next collective, as for a throttled GPU.
 """
 
