@@ -171,7 +171,7 @@ def test_a_much_slower_device_is_named_as_slow_compute_with_its_cost(tmp_path):
     assert len(r["compute_s"]) == len(r["transfer_s"]) == len(r["wait_s"]) == 8
     assert (r["flagged"], r["flagged_kind"]) == (SLOW_DEVICE, "compute")
     assert 0.7 * SLEEP_S <= r["cost_s_modelled"] <= 1.3 * SLEEP_S, r["cost_s_modelled"]
-    assert r["step_without_s_estimated"] == pytest.approx(r["step_s_measured"] - r["cost_s_modelled"])
+    assert r["step_without_s_modelled"] == pytest.approx(r["step_s_modelled"] - r["cost_s_modelled"])
   assert [r["named"] for r in samples] == [-1, SLOW_DEVICE, SLOW_DEVICE]
   assert f"warning: step 4: device {SLOW_DEVICE} (process 0, " in result.stdout
   assert "computes slowly" in result.stdout

@@ -7,8 +7,8 @@ Every run is `experiments.train` on 8 simulated CPU devices (one process), sampl
 1. unperturbed: `--unperturbed_samples` samples; how many name a device (false positives), the median
    measured step (unsampled steps) and the median device's compute per step;
 2. per slowdown s and repeat: device 5 sleeps s x that compute in every step (resilience.debug_slow_device):
-   whether it is named, as slow compute, within 3 samples, and the estimated step without it (modelled
-   cost subtracted from the measured step) against the unperturbed run's measured step;
+   whether it is named, as slow compute, within 3 samples, and the modelled step without it against the
+   unperturbed run's measured step (a model checked against a measurement);
 3. overhead: `--overhead_steps` steps without sampling and with a sample every 50 steps; the mean step time
    of each (measured, every step counted, the sampled ones included).
 """
@@ -58,8 +58,8 @@ def main(argv):
   print(f"unperturbed: {len(samples)} samples, {len(named)} name a device (false positives), "
         f"{sum(r['flagged'] != -1 for r in samples)} flag one; measured step {step_s:.3f} s; median device "
         f"compute {compute_s:.3f} s per step")
-  print("| slowdown | sleep s | named within 3 samples | at sample | estimated step without it, error against "
-        "the unperturbed measured step |")
+  print("| slowdown | sleep s | named within 3 samples | at sample | modelled step without it, against the "
+        "unperturbed measured step |")
   print("|---|---|---|---|---|")
   for slowdown in map(float, _SLOWDOWNS.value):
     sleep = slowdown * compute_s
@@ -73,7 +73,7 @@ def main(argv):
       if first is not None and (run[first]["named"], run[first]["named_kind"]) == (SLOW_DEVICE, "compute"):
         found += 1
         at.append(first + 1)
-        errors.append(run[first]["step_without_s_estimated"] / step_s - 1)
+        errors.append(run[first]["step_without_s_modelled"] / step_s - 1)
     error_text = ", ".join(f"{e:+.0%}" for e in errors) or "-"
     print(f"| {slowdown:.0%} | {sleep:.3f} | {found}/{_REPEATS.value} | {', '.join(map(str, at)) or '-'} | "
           f"{error_text} |")

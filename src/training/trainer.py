@@ -276,7 +276,7 @@ class _Loop:
               "named": -1 if named is None else named[0], "named_kind": "" if named is None else named[1],
               "step_s_measured": self._step_s, "step_s_modelled": reading.modelled_step_s,
               "cost_s_modelled": reading.cost_s, "worst_s": reading.worst_s, "worst_median_s": reading.worst_median_s,
-              "step_without_s_estimated": self._step_s - reading.cost_s}
+              "step_without_s_modelled": reading.modelled_without_s}
     logger.log_devices(step, record)
     if named is not None and jax.process_index() == 0:
       device, kind = named
