@@ -151,16 +151,7 @@ def test_sharded_attention_matches_reference(kind, shape, names, batch_axes, seq
   sharding = NamedSharding(mesh, _spec(batch_axes, seq_axes))
   args = [jax.device_put(a, sharding) for a in (q[:, order], k[:, order], v[:, order], pos, ct[:, order])]
   attend = _sharded_fn(mesh, batch_axes, seq_axes, kind)
-
-  def forward_and_grads(q, k, v, pos, ct):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, pos), q, k, v)
-    return out, vjp(ct)
-
-  out, grads = jax.jit(forward_and_grads).lower(*args).compile(_FAST_COMPILE)(*args)
-  expected, ref_grads = _reference_and_grads(q, k, v, ct)
-  assert_close(out[:, inverse], expected, FP32_MODULE_RTOL, f"{kind} output")
-  for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-    assert_close(grad[:, inverse], ref_grad, FP32_MODULE_RTOL, f"{kind} d{name}")
+  assert_sharded_matches(attend, args, inverse, _reference_and_grads(q, k, v, ct), kind)
 
 
 def test_ulysses_rejects_kv_heads_not_divisible_by_sequence_devices():
@@ -208,3 +199,20 @@ def test_work_per_device(n):
   assert _count(jaxprs["allgather"], "dot_general") == 2 * (2 * n + 1)
   assert _count(jaxprs["ring"], "dot_general") == 2 * n
   assert _count(jaxprs["ring"], "ppermute") == 3 * (n - 1)
+
+
+def assert_sharded_matches(attend, args, inverse, reference, what: str) -> None:
+  """`attend(q, k, v, *rest)` and its gradients in q, k, v for the cotangent `args[-1]`, compiled from `args`
+  (q, k, v, *rest, cotangent; rows in zigzag order), against `reference` = (output, (dq, dk, dv)) in natural
+  order: the rows are put back by `inverse` first."""
+
+  def forward_and_grads(q, k, v, *rest_and_cotangent):
+    *rest, cotangent = rest_and_cotangent
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *rest), q, k, v)
+    return out, vjp(cotangent)
+
+  out, grads = jax.jit(forward_and_grads).lower(*args).compile(_FAST_COMPILE)(*args)
+  expected, ref_grads = reference
+  assert_close(out[:, inverse], expected, FP32_MODULE_RTOL, f"{what} output")
+  for name, grad, ref_grad in zip("qkv", grads, ref_grads):
+    assert_close(grad[:, inverse], ref_grad, FP32_MODULE_RTOL, f"{what} d{name}")

@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 from meshmoe.sharding import context_parallel as cp
-from tests.test_context_parallel import _FAST_COMPILE, _mesh, _qkv, _spec
-from tests.tolerances import FP32_MODEL_RTOL, FP32_MODULE_RTOL, assert_close
+from tests.test_context_parallel import _mesh, _qkv, _spec, assert_sharded_matches
+from tests.tolerances import FP32_MODEL_RTOL, assert_close
 
 B, H, S = 2, 8, 32
 # Document lengths of each row: boundaries inside and across the chunks of 2, 4 and 8 devices (chunks of
@@ -89,16 +89,7 @@ def test_every_kind_attends_within_documents(kind, shape, names, batch_axes, seq
       lambda q, k, v, pos, starts: cp.sharded_attention(q, k, v, pos, implementation=kind, axis_names=seq_axes,
                                                         kernel=kernel, starts_BS=starts),
       mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
-
-  def forward_and_grads(q, k, v, pos, starts, ct):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, pos, starts), q, k, v)
-    return out, vjp(ct)
-
-  out, grads = jax.jit(forward_and_grads).lower(*args).compile(_FAST_COMPILE)(*args)
-  expected, ref_grads = _reference_and_grads(q, k, v, ct)
-  assert_close(out[:, inverse], expected, FP32_MODULE_RTOL, f"{kind} output")
-  for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-    assert_close(grad[:, inverse], ref_grad, FP32_MODULE_RTOL, f"{kind} d{name}")
+  assert_sharded_matches(attend, args, inverse, _reference_and_grads(q, k, v, ct), kind)
 
 
 def test_without_the_mask_documents_see_each_other():

@@ -27,7 +27,7 @@ from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import Hardware, ParallelPlan, attention_kernel
 from meshmoe.sharding.shardings import use_plan
 from tests.model_steps import gpu_mesh
-from tests.test_context_parallel import _FAST_COMPILE, _mesh, _qkv, _spec
+from tests.test_context_parallel import _mesh, _qkv, _spec, assert_sharded_matches
 from tests.tolerances import FP32_MODULE_RTOL, assert_close
 
 B, H, S = 2, 8, 32
@@ -72,16 +72,7 @@ def test_kernel_path_matches_the_einsum_reference(kind, shape, names, batch_axes
       lambda q, k, v, pos: cp.sharded_attention(q, k, v, pos, implementation=kind, axis_names=seq_axes,
                                                 kernel="xla"),
       mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
-
-  def forward_and_grads(q, k, v, pos, ct):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, pos), q, k, v)
-    return out, vjp(ct)
-
-  out, grads = jax.jit(forward_and_grads).lower(*args).compile(_FAST_COMPILE)(*args)
-  expected, ref_grads = _reference_and_grads(q, k, v, ct)
-  assert_close(out[:, inverse], expected, FP32_MODULE_RTOL, f"{kind} output")
-  for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-    assert_close(grad[:, inverse], ref_grad, FP32_MODULE_RTOL, f"{kind} d{name}")
+  assert_sharded_matches(attend, args, inverse, _reference_and_grads(q, k, v, ct), kind)
 
 
 def test_local_kernel_path_matches_the_einsum_reference():

@@ -20,10 +20,9 @@ from meshmoe.sharding import context_parallel as cp
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.shardings import use_plan
-from tests.test_context_parallel import (_FAST_COMPILE, LAYOUTS, _count, _mesh, _qkv, _reference_and_grads,
-                                         _spec)
+from tests.test_context_parallel import (LAYOUTS, _count, _mesh, _qkv, _reference_and_grads, _spec,
+                                         assert_sharded_matches)
 from tests.test_tensor_parallel_xla import overlapped_transfers
-from tests.tolerances import FP32_MODULE_RTOL, assert_close
 from tests.model_steps import gpu_mesh
 
 B, H = 2, 8
@@ -53,16 +52,7 @@ def test_xla_ring_matches_reference(shape, names, batch_axes, seq_axes):
   sharding = NamedSharding(mesh, _spec(batch_axes, seq_axes))
   args = [jax.device_put(a, sharding) for a in (q[:, order], k[:, order], v[:, order], pos, ct[:, order])]
   attend = _sharded_fn(mesh, batch_axes, seq_axes)
-
-  def forward_and_grads(q, k, v, pos, ct):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, pos), q, k, v)
-    return out, vjp(ct)
-
-  out, grads = jax.jit(forward_and_grads).lower(*args).compile(_FAST_COMPILE)(*args)
-  expected, ref_grads = _reference_and_grads(q, k, v, ct)
-  assert_close(out[:, inverse], expected, FP32_MODULE_RTOL, "xla ring output")
-  for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-    assert_close(grad[:, inverse], ref_grad, FP32_MODULE_RTOL, f"xla ring d{name}")
+  assert_sharded_matches(attend, args, inverse, _reference_and_grads(q, k, v, ct), "xla ring")
 
 
 def _flops(implementation, n):
