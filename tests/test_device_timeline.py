@@ -42,7 +42,7 @@ def test_a_trace_becomes_segments_between_collectives_with_their_waiting():
   timelines = dt.device_timelines(events, "jit_train_step", ops)
   assert sorted(timelines) == [0, 1]
   zero, one = timelines[0], timelines[1]
-  np.testing.assert_allclose(zero.compute_s, [15e-6, 4e-6])
+  np.testing.assert_allclose(zero.compute_s, [20e-6, 9e-6])  # wall time: 0 to the all-reduce, its end to 44
   np.testing.assert_allclose(zero.transfer_s, [5e-6])
   np.testing.assert_allclose(zero.wait_s, [10e-6])
   np.testing.assert_allclose(one.compute_s, [8e-6, 2e-6])
@@ -51,8 +51,8 @@ def test_a_trace_becomes_segments_between_collectives_with_their_waiting():
 
 
 def test_a_real_trace_is_read_for_every_device():
-  """jax.profiler on 8 CPU devices, read through xprof: each device's two all-reduces, its compute and its
-  waiting, under the jitted function's module name."""
+  """jax.profiler on 8 CPU devices, read from jax.profiler.ProfileData: each device's two all-reduces, its
+  compute and its waiting, under the jitted function's module name."""
   mesh = Mesh(np.array(jax.devices()), ("d",))
   x = jax.device_put(jnp.ones((8 * 64, 64)), NamedSharding(mesh, P("d")))
 
@@ -70,7 +70,8 @@ def test_a_real_trace_is_read_for_every_device():
   assert len(sampler.ops.collectives) == 2  # named after the psums, not "all-reduce"
   sampler.start()
   jax.block_until_ready(probe(x))
-  timelines = sampler.finish()
+  sampler.stop(1, 0.0)
+  _, _, timelines = sampler.take()
   assert sorted(t.device for t in timelines) == [d.id for d in jax.devices()]
   for t in timelines:
     assert len(t.transfer_s) == 2 and len(t.compute_s) == 3
@@ -91,7 +92,7 @@ def test_a_device_whose_compute_is_slow_is_flagged_with_its_cost():
   transfer = [[0.5, 0.5]] * 8
   reading = dt.attribute(_timelines(compute, transfer), min_cost=0.1)
   assert (reading.flagged, reading.kind) == (5, "compute")
-  assert reading.modelled_step_s == pytest.approx(2 + 4 + 2 + 0.5 + 0.5)  # the slowest device, per segment
+  assert reading.modelled_step_s == pytest.approx(2 + (0.5 + 4) + (0.5 + 2))  # the slowest device, per phase
   assert reading.modelled_without_s == pytest.approx(1 + 2 + 1 + 0.5 + 0.5)
   assert reading.cost_s == pytest.approx(4.0)
 
@@ -103,6 +104,17 @@ def test_a_device_whose_links_are_slow_is_flagged_as_communication():
   reading = dt.attribute(_timelines(compute, transfer), min_cost=0.1)
   assert (reading.flagged, reading.kind) == (2, "communication")
   assert reading.cost_s == pytest.approx(2.0)
+
+
+def test_a_phase_lasts_as_long_as_its_slowest_device_transfer_and_segment_together():
+  """One device slow in a collective's transfer and another in the segment after it: each phase waits for
+  one of them at a time, so their delays do not add up (the slowest per phase, not per part)."""
+  compute, transfer = [[1.0, 1.0]] * 8, [[0.5]] * 8
+  transfer = [t if d != 1 else [1.5] for d, t in enumerate(transfer)]
+  compute = [c if d != 2 else [1.0, 2.0] for d, c in enumerate(compute)]
+  assert dt.modelled_step_s(np.array(compute), np.array(transfer)) == pytest.approx(1.0 + 2.5)
+  reading = dt.attribute(_timelines(compute, transfer), min_cost=0.0)
+  assert reading.cost_s == pytest.approx(0.0)  # either device alone at the median's speed: the other still holds the phase
 
 
 def test_a_device_held_up_in_one_segment_is_flagged_though_its_total_is_the_median():
@@ -138,13 +150,38 @@ def test_pack_and_unpack_round_trip():
 
 def test_a_device_is_named_once_flagged_in_two_of_three_samples():
   sampler = dt.Sampler(ResilienceConfig(timeline_every_steps=1))
-  slow = [[1.0, 1.0]] * 8
-  slow = [c if d != 3 else [3.0, 3.0] for d, c in enumerate(slow)]
-  other = [c if d != 4 else [3.0, 3.0] for d, c in enumerate([[1.0, 1.0]] * 8)]
   even = [[1.0, 1.0]] * 8
-  named = [sampler.judge(_timelines(c, [[0.1]] * 8))[1] for c in (slow, even, other, slow, slow)]
-  # device 3 once, nobody, device 4 once, device 3 again (2 of the last 3: 4, 3 -> not yet), and again
-  assert named == [None, None, None, None, (3, "compute")]
+
+  def slow(device):
+    return [c if d != device else [3.0, 3.0] for d, c in enumerate(even)]
+
+  named = [sampler.judge(_timelines(c, [[0.1]] * 8))[1]
+           for c in (slow(3), even, slow(4), slow(3), slow(3), even, even, slow(3))]
+  # 3, nobody, 4, 3 (once in the last 3), 3 again (twice: named), then nobody flagged twice (nobody
+  # named), and 3 once in its last 3 samples (not named)
+  assert named == [None, None, None, None, (3, "compute"), None, None, None]
+
+
+def test_a_sample_is_read_in_a_thread_and_judged_lag_steps_later():
+  """start/stop around a traced step, then `ready` only `lag` steps after it (or at the run's last step),
+  and no new sample while one is pending."""
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  x = jax.device_put(jnp.ones((8 * 16, 16)), NamedSharding(mesh, P("d")))
+  probe = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x.sum(), "d"), mesh=mesh, in_specs=P("d"), out_specs=P()))
+  jax.block_until_ready(probe(x))
+  sampler = dt.Sampler(ResilienceConfig(timeline_every_steps=10), module_prefix="jit_")
+  sampler.ops = dt.program_ops(probe.lower(x).compile().as_text())
+  assert sampler.lag == 5 and sampler.due(10) and not sampler.due(11) and not sampler.ready(10, last=False)
+  sampler.start()
+  jax.block_until_ready(probe(x))
+  sampler.stop(10, 0.25)
+  assert not sampler.due(20)  # judged first
+  assert [sampler.ready(s, last=False) for s in (11, 14, 15)] == [False, False, True]
+  assert sampler.ready(12, last=True)
+  step, traced_s, timelines = sampler.take()
+  assert (step, traced_s) == (10, 0.25) and sorted(t.device for t in timelines) == [d.id for d in jax.devices()]
+  assert all(len(t.transfer_s) == 1 for t in timelines)
+  assert not sampler.ready(15, last=True) and sampler.due(20)
 
 
 # A training run with a device slowed on purpose (resilience.debug_slow_device). How reliably smaller
@@ -157,7 +194,7 @@ SLOW_DEVICE, SLEEP_S = 5, 0.5
 @pytest.mark.slow
 def test_a_much_slower_device_is_named_as_slow_compute_with_its_cost(tmp_path):
   """Device 5 sleeps 0.5 s in every step (the small model's steps compute about 10 ms per device): named as
-  slow compute by the second sample (2 of 3), in the log and in metrics.jsonl, its modelled cost close to
+  slow compute by the second sample (flagged twice in a row), in the log and in metrics.jsonl, its modelled cost close to
   the sleep; every sample holds every device's figures."""
   result = runs.run(runs.train_command(
       tmp_path, *runs.SMALL_FLAGS, "--config.train.steps=7", "--config.checkpoint.every_steps=-1",
@@ -172,6 +209,7 @@ def test_a_much_slower_device_is_named_as_slow_compute_with_its_cost(tmp_path):
     assert (r["flagged"], r["flagged_kind"]) == (SLOW_DEVICE, "compute")
     assert 0.7 * SLEEP_S <= r["cost_s_modelled"] <= 1.3 * SLEEP_S, r["cost_s_modelled"]
     assert r["step_without_s_modelled"] == pytest.approx(r["step_s_modelled"] - r["cost_s_modelled"])
+    assert r["traced_step_s_measured"] >= SLEEP_S  # the sampled step's own measured time, the sleep in it
   assert [r["named"] for r in samples] == [-1, SLOW_DEVICE, SLOW_DEVICE]
   assert f"warning: step 4: device {SLOW_DEVICE} (process 0, " in result.stdout
   assert "computes slowly" in result.stdout

@@ -4,22 +4,26 @@ stragglers.py compares the processes' host time; a slow device or link makes eve
 same collectives, which host timers cannot tell apart. This module reads the devices' own timelines.
 
 Sampling (`resilience.timeline_every_steps`; 0, the default: off). Every N steps the trainer runs one step
-under jax.profiler (a trace into a temporary folder, deleted after reading) and each process reduces its
-trace on the spot to a few numbers per device; only those travel between processes (one all-gather), never
-trace files. Cost: the traced step's own overhead plus the reading, about 2 s per sample on the CPU
-benchmark (steps of 0.43 s there: +9% at one sample in 50); `experiments/benchmarks/RESULTS.md`.
+under a jax.profiler session; the trace stays in memory and a thread of this process reduces it to a few
+numbers per device while the next steps run (`Sampler`); max(1, N // 2) steps later every process gathers
+them (one all-gather of a small array; no trace files are written or moved). Cost: the traced step's own
+overhead (every op is recorded) plus the reading, which takes CPU from the steps beside it; measured in
+`experiments/benchmarks/RESULTS.md`.
 
-Reading. xprof, the maintained reader of jax.profiler's XSpace protobufs, converts the trace to the trace
-viewer's JSON. Every XLA op event of the train step's module names its device (on CPU the event's
-`device_ordinal`, on GPU the `/device:GPU:N` process it lies in) and its HLO instruction, whose opcode the
-compiled program's HLO text gives (`program_ops`; names alone do not tell: a psum may be called
-"psum_invariant.14"). Ops that contain other ops (while, call, conditional) are not counted, their contents
-are. Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; an async pair
-counts at its start) are the step's synchronisation points; every device runs the same program, so the
-k-th collective of each device is the same one. Per device: the compute seconds before each collective and after the last (`compute_s`, K + 1
-segments), and each collective's waiting (on CPU the rendezvous inside it, until every participant has
-arrived) and transfer (the rest). A GPU trace does not show the wait inside a NCCL kernel: there the whole
-collective counts as transfer, and only a cluster run can show how well that separates slow links.
+Reading. jax.profiler.ProfileData, jaxlib's reader of the XSpace protobuf (xprof's format), gives every
+event with its stats. Every XLA op event of the train step's module names its device (on CPU the event's
+`device_ordinal`, on GPU the `/device:GPU:N` plane it lies in, N mapped to the device's id) and its HLO
+instruction, whose opcode the compiled program's HLO text gives (`program_ops`; names alone do not tell: a
+psum may be called "psum_invariant.14"). Ops that contain other ops (while, call, conditional) are not
+counted, their contents are. Collectives (all-reduce, all-gather, reduce-scatter, all-to-all,
+collective-permute; an async pair counts at its start) are the step's synchronisation points; every device
+runs the same program, so the k-th collective of each device is the same one. Per device: the compute
+seconds before each collective and after the last (`compute_s`, K + 1 segments: wall time from the end of
+one collective to the start of the next, its kernels and the gaps between them, not a sum of op durations,
+which on a CPU overlap), and each collective's waiting (on CPU the rendezvous inside it, until every
+participant has arrived) and transfer (the rest). A
+GPU trace does not show the wait inside a NCCL kernel: there the whole collective counts as transfer, and
+only a cluster run can show how well that separates slow links.
 
 Attribution (`attribute`). Every device runs the same kernels, so a device whose compute segments, or
 whose collectives' transfers (waiting excluded: waiting is what the others do for it), take longer than
@@ -29,32 +33,33 @@ device and kind that save most are flagged ("slow compute" or "slow communicatio
 least `resilience.timeline_min_cost` of the step (below it, timer noise dominates: measured in
 RESULTS.md). Segments, not totals: on an oversubscribed CPU a device that is held up in one segment runs
 its other kernels faster while the others wait, so only the segment shows it. `Sampler` names a device
-after it is flagged with the same kind in 2 of the last 3 samples, so one noisy sample names nobody.
+once it is flagged with the same kind in 2 of the last 3 samples, so one noisy sample names nobody (on the
+CPU benchmark noise flags some device in half the samples, rarely the same one twice: RESULTS.md).
 
-What-if (modelled). The step as the timeline's critical path with collectives as barriers: each segment
-lasts as long as its slowest device's compute, then each collective its slowest participant's transfer
-(`modelled_step_s`). Replacing the named device's segments by the median device's gives the step without
-it; the difference is what the straggler costs, in seconds per step. These are the model's figures; the
-record puts the measured step time beside them, never into them, and labels which is which (on the CPU
-benchmark the modelled step is 0.98-1.41 times the measured one, median 1.20: RESULTS.md).
+What-if (modelled). The step as the timeline's critical path with collectives as barriers: a collective
+starts when its last device arrives, and the phase from there to the next collective lasts as long as the
+slowest device's transfer plus compute segment (`modelled_step_s`; every collective is taken to span every
+device: a collective over a subgroup synchronises less, which the model does not see). Replacing the named device's segments by the median device's gives the step without
+it; the difference is what the straggler costs, in seconds per step. These are the model's figures, of the
+traced step; the record puts the measured times beside them (the traced step's and an untraced step's),
+never into them, and labels which is which. On a CPU the traced step runs slower than an untraced one (each
+of thousands of op events is recorded), so the model is compared with the traced step there.
 
 Fault injection, for tests and for trying this out (`resilience.debug_slow_device`,
 `debug_slow_device_s`): the chosen device sleeps that long inside every step, in a host callback on that
 device's own thread (slow_device.py), so its compute segments lengthen and every other device waits for it
-in the next collective, as for a throttled GPU.
+in the next collective, as for a throttled GPU. A slow link cannot be made on purpose here: a CPU
+collective is a copy inside the process or over gloo's TCP, neither with a hook to delay one device's
+transfer, so "slow communication" is tested on constructed timelines; naming a slow NVLink or NIC end to
+end needs a cluster.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import glob
-import json
-import os
 import re
-import shutil
-import sys
-import tempfile
+import threading
+import warnings
 
 import numpy as np
 
@@ -65,14 +70,6 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragg
 CONTAINERS = ("while", "call", "conditional")  # ops whose contents are ops of their own
 _CONFIRMATIONS, _WINDOW = 2, 3  # named when flagged in 2 of the last 3 samples
 _GPU_DEVICE = re.compile(r"/device:GPU:(\d+)")
-# What xprof's converter logs on every call though nothing is wrong (it has no newer processor for the
-# trace viewer and uses its older one).
-_XPROF_NOISE = re.compile(r"No UnifiedProfileProcessor registered|Unified processor not found|Remapping device id"
-                          r"|serving tool:|Using local processing|TraceViewerProcessor|XProf HLO fixer"
-                          r"|GenerateDerivedTimeLines|XprofThreadPoolExecutor|PreprocessSingleHostXSpace"
-                          r"|ConvertXSpaceToTraceEventsString|Total time for tool")
-
-
 @dataclasses.dataclass
 class DeviceTimeline:
   """One device's step, in program order: compute seconds before each of its K collectives and after the
@@ -103,43 +100,25 @@ def program_ops(hlo_text: str) -> ProgramOps:
   return ProgramOps(frozenset(collectives), frozenset(containers))
 
 
-def read_trace(folder: str) -> list[dict]:
-  """The trace viewer's events of the newest jax.profiler trace under `folder` (xprof's conversion)."""
-  from xprof.convert import raw_to_tool_data
-
-  runs = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*")))
-  if not runs:
-    raise FileNotFoundError(f"no jax.profiler trace under {folder}")
-  with _without_xprof_noise():
-    data, _ = raw_to_tool_data.xspace_to_tool_data(sorted(glob.glob(os.path.join(runs[-1], "*.xplane.pb"))),
-                                                   "trace_viewer", {})
-  return json.loads(data)["traceEvents"]
-
-
-@contextlib.contextmanager
-def _without_xprof_noise():
-  """Standard error (file descriptor 2: the converter logs from C++) captured while the converter runs and
-  written out again without xprof's routine lines; whatever else was written in that time is kept."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      yield
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
-              if not _XPROF_NOISE.search(line)]
-      if kept:
-        sys.stderr.write("".join(kept))
-        sys.stderr.flush()
+def trace_events(data) -> list[dict]:
+  """A jax.profiler.ProfileData's events in the trace viewer's form (a process per plane, a thread per line,
+  microseconds; each event's stats as its args), which `device_timelines` reads."""
+  events = []
+  for pid, plane in enumerate(data.planes):
+    events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": plane.name}})
+    for tid, line in enumerate(plane.lines):
+      # A third of a CPU trace's events are the runtime's own ("ThreadpoolListener::Record"); no HLO
+      # instruction's name holds "::", so they are dropped before their stats are read (most of the cost).
+      events.extend({"ph": "X", "pid": pid, "tid": tid, "ts": e.start_ns * 1e-3, "dur": e.duration_ns * 1e-3,
+                     "name": e.name, "args": dict(e.stats)} for e in line.events if "::" not in e.name)
+  return events
 
 
-def device_timelines(events: list[dict], module_prefix: str, ops: ProgramOps) -> dict[int, DeviceTimeline]:
-  """Per device, the timeline of the module whose name starts with `module_prefix`, whose instructions
-  `ops` describes (module docstring)."""
+def device_timelines(events: list[dict], module_prefix: str, ops: ProgramOps,
+                     gpu_ids: dict[int, int] | None = None) -> dict[int, DeviceTimeline]:
+  """Per device id, the timeline of the module whose name starts with `module_prefix`, whose instructions
+  `ops` describes (module docstring). `gpu_ids`: a GPU plane's ordinal (this process's) -> the device's id
+  (JAX's, over every process); the ordinal itself where not given."""
   processes = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name" and "args" in e}
   by_device: dict[int, list[dict]] = {}
@@ -147,18 +126,18 @@ def device_timelines(events: list[dict], module_prefix: str, ops: ProgramOps) ->
     args = e.get("args") or {}
     if e.get("ph") != "X" or "hlo_op" not in args or not str(args.get("hlo_module", "")).startswith(module_prefix):
       continue
-    device = _device_of(args, processes.get(e["pid"], ""))
+    device = _device_of(args, processes.get(e["pid"], ""), gpu_ids or {})
     if device is not None:
       by_device.setdefault(device, []).append(e)
   waits = _rendezvous_by_thread(events)
   return {device: _timeline(device, device_events, waits, ops) for device, device_events in sorted(by_device.items())}
 
 
-def _device_of(args: dict, process_name: str) -> int | None:
-  if "device_ordinal" in args:
+def _device_of(args: dict, process_name: str, gpu_ids: dict[int, int]) -> int | None:
+  if "device_ordinal" in args:  # a CPU device's events carry its id (2048 x the process index + ordinal)
     return int(args["device_ordinal"])
   match = _GPU_DEVICE.search(process_name)
-  return int(match.group(1)) if match else None
+  return None if match is None else gpu_ids.get(int(match.group(1)), int(match.group(1)))
 
 
 def _rendezvous_by_thread(events: list[dict]) -> dict[tuple, list[tuple[float, float]]]:
@@ -171,28 +150,35 @@ def _rendezvous_by_thread(events: list[dict]) -> dict[tuple, list[tuple[float, f
 
 
 def _timeline(device: int, events: list[dict], waits: dict, ops: ProgramOps) -> DeviceTimeline:
-  compute, transfer, wait = [0.0], [], []
-  for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
-    op = e["args"]["hlo_op"]
-    if op in ops.containers:
-      continue
-    seconds = e["dur"] * 1e-6
-    if op not in ops.collectives:
-      compute[-1] += seconds
-      continue
+  """One device's timeline from its op events: each segment is wall time, from the end of one collective
+  (or the step's first op) to the start of the next (or the end of the last op), so ops a CPU device runs
+  side by side on several threads count once, and the gaps between kernels count too."""
+  compute, transfer, wait = [], [], []
+  ordered = [e for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])) if e["args"]["hlo_op"] not in ops.containers]
+  segment_from = latest_end = ordered[0]["ts"] if ordered else 0.0
+  for e in ordered:
     end = e["ts"] + e["dur"]
+    latest_end = max(latest_end, end)
+    if e["args"]["hlo_op"] not in ops.collectives:
+      continue
+    compute.append(max(e["ts"] - segment_from, 0.0) * 1e-6)
     waited = sum(min(b, end) - max(a, e["ts"]) for a, b in waits.get((e["pid"], e["tid"]), [])
                  if a < end and b > e["ts"]) * 1e-6
-    transfer.append(max(seconds - waited, 0.0))
-    wait.append(min(waited, seconds))
-    compute.append(0.0)
+    transfer.append(max(e["dur"] * 1e-6 - waited, 0.0))
+    wait.append(min(waited, e["dur"] * 1e-6))
+    segment_from = end
+  compute.append(max(latest_end - segment_from, 0.0) * 1e-6)
   return DeviceTimeline(device, np.asarray(compute), np.asarray(transfer), np.asarray(wait))
 
 
 def modelled_step_s(compute_DK: np.ndarray, transfer_DK: np.ndarray) -> float:
   """The step's critical path with collectives as barriers (module docstring): [devices, K + 1] compute and
-  [devices, K] transfer seconds."""
-  return float(np.sum(np.max(compute_DK, axis=0)) + np.sum(np.max(transfer_DK, axis=0, initial=0.0)))
+  [devices, K] transfer seconds. Collective k starts when its last device arrives; each device then
+  finishes its transfer and computes until collective k + 1, so that phase lasts as long as the slowest
+  device's transfer plus segment, together."""
+  phases = np.array(compute_DK, dtype=float)
+  phases[:, 1:] += transfer_DK
+  return float(np.sum(np.max(phases, axis=0)))
 
 
 @dataclasses.dataclass
@@ -250,14 +236,14 @@ def attribute(timelines: list[DeviceTimeline], min_cost: float) -> Attribution:
                      kind, step, without, worst, worst_median)
 
 
-def describe(reading: Attribution, step_s: float) -> str:
-  """The evidence of a flagged device, for the log; `step_s`: the measured step time, shown beside the
-  modelled figures."""
+def describe(reading: Attribution, step_s: float, traced_s: float) -> str:
+  """The evidence of a flagged device, for the log; `step_s` and `traced_s`: the measured times of an
+  untraced step and of the traced one, shown beside the modelled figures (the model reads the traced step)."""
   what = "a compute segment" if reading.kind == "compute" else "a collective's transfer"
   return (f"{what} of {reading.worst_s:.3f} s where the median device takes {reading.worst_median_s:.3f} s; it costs "
           f"{reading.cost_s:.3f} s per step ({100 * reading.cost_s / reading.modelled_step_s:.0f}%; modelled step "
-          f"{reading.modelled_step_s:.3f} s with it, {reading.modelled_without_s:.3f} s without; measured step "
-          f"{step_s:.3f} s)")
+          f"{reading.modelled_step_s:.3f} s with it, {reading.modelled_without_s:.3f} s without; measured: the traced "
+          f"step {traced_s:.3f} s, an untraced step {step_s:.3f} s)")
 
 
 def pack(timelines: list[DeviceTimeline]) -> np.ndarray:
@@ -271,41 +257,90 @@ def unpack(rows: np.ndarray) -> list[DeviceTimeline]:
   return [DeviceTimeline(int(r[0]), r[1:k + 2], r[k + 2:2 * k + 2], r[2 * k + 2:]) for r in rows]
 
 
+def _first_stats(data) -> None:
+  """Reads one event's stats in the calling thread, its warning ignored: jaxlib makes their Python type on
+  first use and warns then ("builtin type event_stats has no __module__ attribute"), which the warnings
+  filters of a thread other than the main one cannot catch safely."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for plane in data.planes:
+      for line in plane.lines:
+        for event in line.events:
+          dict(event.stats)
+          return
+
+
 class Sampler:
-  """Samples one step's device timelines every N steps and names a slow device once it is confirmed."""
+  """Samples one step's device timelines every N steps, reads them while the next steps run, and names a
+  slow device once it is confirmed.
+
+  The trainer calls, on every process at the same steps: `due(step)`; around a due step `start()` and
+  `stop(step, traced_s)`; after each step `ready(step, last)`, and when it says so `take()`, whose timelines
+  it gathers from every process and passes to `judge`. The trace is read in a thread of its own (most of a
+  sample's cost: pure Python over every op event), judged `lag` steps later, when it has long finished.
+  """
 
   def __init__(self, cfg: ResilienceConfig, module_prefix: str = "jit_train_step"):
     self.every, self.min_cost, self.module_prefix = cfg.timeline_every_steps, cfg.timeline_min_cost, module_prefix
+    self.lag = max(1, self.every // 2)  # steps between a sample and its judgement
     self._flags: list[tuple[int, str] | None] = []
-    self._folder = None
-    self.ops: ProgramOps | None = None  # of the sampled program: set by the caller before `finish`
+    self._session = None
+    self._pending = None  # (the sampled step, its traced step's measured seconds, the reading thread, its result)
+    self.ops: ProgramOps | None = None  # of the sampled program: set by the caller before `stop`
 
   def due(self, step: int) -> bool:
     """Whether step `step` (1-based, the same on every process) is sampled."""
-    return bool(self.every) and step % self.every == 0
+    return bool(self.every) and step % self.every == 0 and self._pending is None
 
   def start(self) -> None:
     import jax
+    from jax._src.lib import _profiler
 
-    self._folder = tempfile.mkdtemp(prefix="meshmoe_timeline_")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # no Python function events: only the host's and the devices' own
     options.enable_hlo_proto = False  # the instructions' kinds come from the compiled program's text
-    jax.profiler.start_trace(self._folder, profiler_options=options)
+    # A profiler session of jaxlib's own (as jax's PGLE uses): its events are read in memory, where
+    # jax.profiler.stop_trace would write them to files first (0.7 s a sample) for xprof to convert (1.5 s).
+    self._session = _profiler.ProfilerSession(options)
 
-  def finish(self) -> list[DeviceTimeline]:
-    """Stops the trace started by `start` (the step must have finished) and reads this process's devices."""
+  def stop(self, step: int, traced_s: float) -> None:
+    """Stops the trace started by `start` (the sampled step `step` must have finished, in `traced_s`
+    measured seconds) and starts reading this process's devices from it."""
     import jax
 
-    jax.profiler.stop_trace()
-    try:
-      return list(device_timelines(read_trace(self._folder), self.module_prefix, self.ops).values())
-    finally:
-      shutil.rmtree(self._folder, ignore_errors=True)
+    session, self._session = self._session, None
+    # Serialized and parsed again: the reading thread's own copy (the session's data dies with it).
+    data = jax.profiler.ProfileData.from_serialized_xspace(session.stop())
+    _first_stats(data)
+    gpu_ids = {d.local_hardware_id: d.id for d in jax.local_devices() if d.platform == "gpu"}
+    result = {}
+
+    def read():
+      try:
+        result["timelines"] = list(device_timelines(trace_events(data), self.module_prefix, self.ops, gpu_ids).values())
+      except Exception as error:  # re-raised by `take`, in the trainer's thread
+        result["error"] = error
+
+    thread = threading.Thread(target=read, name="meshmoe-device-timeline", daemon=True)
+    thread.start()
+    self._pending = (step, traced_s, thread, result)
+
+  def ready(self, step: int, last: bool) -> bool:
+    """Whether the pending sample is judged after step `step` (`last`: the run's last step)."""
+    return self._pending is not None and (last or step >= self._pending[0] + self.lag)
+
+  def take(self) -> tuple[int, float, list[DeviceTimeline]]:
+    """The pending sample's step, its traced step's measured seconds and this process's timelines."""
+    step, traced_s, thread, result = self._pending
+    self._pending = None
+    thread.join()
+    if "error" in result:
+      raise result["error"]
+    return step, traced_s, result["timelines"]
 
   def judge(self, timelines: list[DeviceTimeline]) -> tuple[Attribution, tuple[int, str] | None]:
-    """This sample's attribution (over every process's devices) and the device named, confirmed by the
-    samples before it, or None."""
+    """This sample's attribution (over every process's devices) and the device named: flagged with the
+    same kind in this sample and one of the two before it, or None."""
     reading = attribute(timelines, self.min_cost)
     self._flags = (self._flags + [None if reading.flagged is None else (reading.flagged, reading.kind)])[-_WINDOW:]
     candidate = self._flags[-1]

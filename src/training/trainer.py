@@ -203,11 +203,15 @@ class _Loop:
         if sampled:  # this step alone in the trace: the steps before it finish first
           jax.block_until_ready(state)
           self.timelines.start()
+          traced_from = time.perf_counter()
         state, metrics = self.step_fn(state, batch)
         if sampled:
           watchdog.beat(f"device timeline of step {done}")
           jax.block_until_ready(state)
-          self._judge_timelines(done, self.timelines.finish(), logger)
+          self.timelines.stop(done, time.perf_counter() - traced_from)
+        if self.timelines.ready(done, last=done == c.train.steps):
+          watchdog.beat(f"device timeline of step {done}, judged")
+          self._judge_timelines(*self.timelines.take(), logger)
         self._check(pending, state, watchdog)  # the previous step, while this one runs
         pending = (done, metrics)
         if tracing and (done == profile.stop or done == c.train.steps):
@@ -251,8 +255,10 @@ class _Loop:
         self.eval_loss = evaluate_sources(self.eval_fn, state, self.eval_batches, self.data.weights)["loss"]
     return state, None
 
-  def _judge_timelines(self, step: int, local: list[device_timeline.DeviceTimeline], logger) -> None:
-    """Gathers every process's device timelines of a sampled step, attributes, logs and records it."""
+  def _judge_timelines(self, step: int, traced_s: float, local: list[device_timeline.DeviceTimeline],
+                       logger) -> None:
+    """Gathers every process's device timelines of sampled step `step` (traced in `traced_s` measured
+    seconds), attributes, logs and records it."""
     # Every process must hold timelines of one length (the same collectives) before they are gathered.
     lengths = {len(t.compute_s) for t in local}
     length = np.array([lengths.pop() if len(lengths) == 1 else -1])
@@ -274,7 +280,8 @@ class _Loop:
               "compute_s": reading.compute_s, "transfer_s": reading.transfer_s, "wait_s": reading.wait_s,
               "flagged": -1 if reading.flagged is None else reading.flagged, "flagged_kind": reading.kind or "",
               "named": -1 if named is None else named[0], "named_kind": "" if named is None else named[1],
-              "step_s_measured": self._step_s, "step_s_modelled": reading.modelled_step_s,
+              "step_s_measured": self._step_s, "traced_step_s_measured": traced_s,
+              "step_s_modelled": reading.modelled_step_s,
               "cost_s_modelled": reading.cost_s, "worst_s": reading.worst_s, "worst_median_s": reading.worst_median_s,
               "step_without_s_modelled": reading.modelled_without_s}
     logger.log_devices(step, record)
@@ -282,7 +289,7 @@ class _Loop:
       device, kind = named
       what = "computes slowly" if kind == "compute" else "transfers slowly in its collectives"
       print(f"warning: step {step}: device {device} (process {owner[device]}, "
-            f"{hosts[owner[device]]}) {what}: {device_timeline.describe(reading, self._step_s)}", flush=True)
+            f"{hosts[owner[device]]}) {what}: {device_timeline.describe(reading, self._step_s, traced_s)}", flush=True)
 
   def _check(self, pending, state, watchdog: resilience.Watchdog) -> None:
     """Reads the health of step `pending[0]` once (blocking until it has run) and applies the NaN policy."""
