@@ -81,8 +81,10 @@ def test_a_real_trace_is_read_for_every_device():
 # Attribution and the what-if estimate
 
 
-def _timelines(compute, transfer):
-  return [dt.DeviceTimeline(d, np.asarray(c, float), np.asarray(t, float), np.zeros(len(t)))
+def _timelines(compute, transfer, wait=0.0):
+  """Devices 0, 1, ... with these segments and transfers; `wait`: every collective's waiting on every device
+  (0: a trace that shows none, whose waiting `attribute` infers)."""
+  return [dt.DeviceTimeline(d, np.asarray(c, float), np.asarray(t, float), np.full(len(t), wait))
           for d, (c, t) in enumerate(zip(compute, transfer))]
 
 
@@ -101,7 +103,7 @@ def test_a_device_whose_links_are_slow_is_flagged_as_communication():
   compute = [[1.0, 1.0, 1.0]] * 8
   transfer = [[0.5, 0.5]] * 8
   transfer[2] = [1.5, 1.5]
-  reading = dt.attribute(_timelines(compute, transfer), min_cost=0.1)
+  reading = dt.attribute(_timelines(compute, transfer, wait=0.01), min_cost=0.1)  # waiting seen (a CPU trace)
   assert (reading.flagged, reading.kind) == (2, "communication")
   assert reading.cost_s == pytest.approx(2.0)
 
@@ -113,8 +115,29 @@ def test_a_phase_lasts_as_long_as_its_slowest_device_transfer_and_segment_togeth
   transfer = [t if d != 1 else [1.5] for d, t in enumerate(transfer)]
   compute = [c if d != 2 else [1.0, 2.0] for d, c in enumerate(compute)]
   assert dt.modelled_step_s(np.array(compute), np.array(transfer)) == pytest.approx(1.0 + 2.5)
-  reading = dt.attribute(_timelines(compute, transfer), min_cost=0.0)
+  reading = dt.attribute(_timelines(compute, transfer, wait=0.01), min_cost=0.0)
   assert reading.cost_s == pytest.approx(0.0)  # either device alone at the median's speed: the other still holds the phase
+
+
+def test_waiting_a_trace_does_not_show_is_inferred_from_the_collectives_ends():
+  """gloo and NCCL: a collective's whole time reads as transfer. Device 3 computes 1 s longer before the
+  first collective, which the others spend inside it. Ends aligned, their excess over device 3's 0.2 s is
+  waiting, and device 3 is the slow one, as slow compute, costing that second."""
+  compute = [[1.0, 1.0]] * 4
+  compute[3] = [2.0, 1.0]
+  transfer = [[1.2]] * 3 + [[0.2]]
+  reading = dt.attribute(_timelines(compute, transfer), min_cost=0.1)
+  assert (reading.flagged, reading.kind) == (3, "compute") and reading.cost_s == pytest.approx(1.0)
+  np.testing.assert_allclose(reading.transfer_s, [0.2] * 4)
+  np.testing.assert_allclose(reading.wait_s, [1.0, 1.0, 1.0, 0.0])
+  assert reading.modelled_step_s == pytest.approx(2.0 + (0.2 + 1.0))
+
+
+def test_waiting_a_trace_shows_is_read_as_it_is():
+  transfer_DK, wait_DK = np.array([[0.5], [0.7]]), np.array([[0.3], [0.0]])  # a CPU rendezvous: waiting seen
+  transfer, wait = dt.end_aligned(transfer_DK, wait_DK)
+  np.testing.assert_array_equal(transfer, transfer_DK)
+  np.testing.assert_array_equal(wait, wait_DK)
 
 
 def test_a_device_held_up_in_one_segment_is_flagged_though_its_total_is_the_median():

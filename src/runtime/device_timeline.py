@@ -21,9 +21,12 @@ runs the same program, so the k-th collective of each device is the same one. Pe
 seconds before each collective and after the last (`compute_s`, K + 1 segments: wall time from the end of
 one collective to the start of the next, its kernels and the gaps between them, not a sum of op durations,
 which on a CPU overlap), and each collective's waiting (on CPU the rendezvous inside it, until every
-participant has arrived) and transfer (the rest). A
-GPU trace does not show the wait inside a NCCL kernel: there the whole collective counts as transfer, and
-only a cluster run can show how well that separates slow links.
+participant has arrived) and transfer (the rest). Where a trace shows no waiting for a collective on any
+device (gloo between processes; a NCCL kernel on a GPU), the waiting is inferred when the samples meet
+(`end_aligned`): the device that spent least time in the collective arrived last, and its time is every
+participant's transfer. A slow link then slows every participant's transfer alike, so it shows as a slow
+collective, not as one device: only a cluster run, with per-link figures, can show how well slow links
+are told apart.
 
 Attribution (`attribute`). Every device runs the same kernels, so a device whose compute segments, or
 whose collectives' transfers (waiting excluded: waiting is what the others do for it), take longer than
@@ -204,6 +207,17 @@ class Attribution:
     return self.modelled_step_s - self.modelled_without_s
 
 
+def end_aligned(transfer_DK: np.ndarray, wait_DK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Transfer and waiting [devices, K] with the waiting inferred for each collective whose trace shows none
+  on any device (gloo's between processes, NCCL's kernels on GPUs: the waiting is inside the transfer). A
+  collective ends at about the same time on every participant, so the device that spent least time in it
+  arrived last and waited for nobody: that time is the transfer, each other device's excess over it its
+  waiting. Clocks of different hosts need not agree: only durations are compared."""
+  unseen = ~np.any(wait_DK > 0, axis=0)
+  least = np.min(transfer_DK, axis=0, initial=np.inf)
+  return np.where(unseen, least, transfer_DK), np.where(unseen, transfer_DK - least, wait_DK)
+
+
 def attribute(timelines: list[DeviceTimeline], min_cost: float) -> Attribution:
   """Which device, if any, is slow in this sample, and what it costs (module docstring); `min_cost`: the
   least saving, as a fraction of the modelled step, that flags a device."""
@@ -212,7 +226,7 @@ def attribute(timelines: list[DeviceTimeline], min_cost: float) -> Attribution:
     raise ValueError(f"the devices' timelines hold different numbers of collectives ({sorted(lengths)}): "
                      "an incomplete trace")
   compute = np.stack([t.compute_s for t in timelines])
-  transfer = np.stack([t.transfer_s for t in timelines])
+  transfer, wait = end_aligned(np.stack([t.transfer_s for t in timelines]), np.stack([t.wait_s for t in timelines]))
   totals = {"compute": compute.sum(axis=1), "communication": transfer.sum(axis=1)}
   step = modelled_step_s(compute, transfer)
   best = (None, None, step)
@@ -232,7 +246,7 @@ def attribute(timelines: list[DeviceTimeline], min_cost: float) -> Attribution:
     k = int(np.argmax(values[index] - median))
     worst, worst_median = float(values[index, k]), float(median[k])
   return Attribution([t.device for t in timelines], totals["compute"].tolist(), totals["communication"].tolist(),
-                     [float(t.wait_s.sum()) for t in timelines], None if index is None else timelines[index].device,
+                     wait.sum(axis=1).tolist(), None if index is None else timelines[index].device,
                      kind, step, without, worst, worst_median)
 
 
