@@ -9,8 +9,9 @@ process, `experiments.train`), reads every run's eval losses from its metrics.js
 prints per config and variant the mean final eval loss over the seeds with its spread and its difference
 from AdamW's (the default recipe: warmup + cosine, batch balance loss), and, for every variant, at
 each evaluation the mean eval loss. `--plot` draws the mean curves with their min-max bands, one panel
-per config. Each variant changes one thing of the default recipe (VARIANTS); the learning rates of the
-other optimizers follow their own guidance, not a sweep (the README says which).
+per config. Each variant changes one thing of the default recipe (VARIANTS), except global_batch_balance,
+which changes one thing of micro_batches; the learning rates of the other optimizers follow their own
+guidance, not a sweep (the README says which).
 """
 
 import json
@@ -35,6 +36,11 @@ VARIANTS = {
     "wsd": ["--config.optimizer.schedule=wsd"],
     "constant": ["--config.optimizer.schedule=constant"],
     "sequence_balance": ["--config.model.moe.balance_loss=sequence"],
+    # The step in 4 micro-batches (the same tokens and cross-entropy gradient): each micro-batch's loads
+    # balanced on their own, or against the step's loads so far (global-batch balance). With one
+    # micro-batch, as in the recipe itself, the two are the same loss.
+    "micro_batches": ["--config.train.grad_accum_steps=4"],
+    "global_batch_balance": ["--config.train.grad_accum_steps=4", "--config.model.moe.balance_loss=global_batch"],
 }
 CONFIGS = ("tiny_moe", "maxtext_tiny_moe")
 # One device: the curves do not depend on the layout, and one CPU device trains these fastest.

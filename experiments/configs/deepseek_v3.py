@@ -43,7 +43,11 @@ Choices:
   weights are all-gathered over 2 devices as the step uses them), in bfloat16, and the float32 master
   weights and Adam moments are split over every axis (mesh.optimizer_storage="all", the distributed
   optimizer, ZeRO-1 as DeepSeek trained): 2 bytes per parameter resident, 16 split. The xla tier and 480
-  micro-batches of 32 sequences. At 128 H100s no layout fits.
+  micro-batches of 32 sequences. At 128 H100s no layout fits. Compiled deviceless the step peaks at 71.4 GB
+  per device, 93% of the 76.45 GB JAX's allocator holds at train.gpu_memory_fraction=0.9. The layout was
+  planned before that field existed, against 95% of the whole GPU; the planner now plans to 0.9 x 0.95 =
+  72.6 GB and, its memory model being 12% above the compiled peak here (79.8 GB), judges this layout not to
+  fit and ranks 8x2x8x2 with 960 micro-batches (7.3%) best.
   The planner predicts 14.4% MFU (431.6 s per step; 434.0 s once the embedding lookup's placed gradient
   (sharding/embedding_lookup.py) was counted, planner not rerun; modelled: the routed experts' GEMMs at the kernel
   table's rates measured at this expert shape, the rest at its stated 50% GEMM efficiency; 7.5% and 828 s
