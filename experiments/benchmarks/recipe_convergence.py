@@ -63,6 +63,14 @@ def eval_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
   return [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
 
 
+def final_imbalance(workdir: pathlib.Path) -> float:
+  """The last logged training step's expert-load imbalance (the step's busiest expert over the mean),
+  averaged over the MoE layers."""
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+  last = [r["expert_load_imbalance"] for r in records if r.get("kind") == "train" and r.get("expert_load_imbalance")][-1]
+  return sum(last) / len(last)
+
+
 def run(config: str, name: str, seed: str, root: pathlib.Path) -> list[tuple[int, float]]:
   workdir = root / config / f"{name}_seed{seed}"
   done = (workdir / "metrics.jsonl").is_file() and any(s == _STEPS.value for s, _ in eval_curve(workdir))
@@ -92,18 +100,22 @@ def main(argv):
   names = ["adamw"] + [n for n in _VARIANTS.value if n != "adamw"]
   curves = {(config, name): mean_curve([run(config, name, seed, root) for seed in _SEEDS.value])
             for config in _CONFIGS.value for name in names}
+  imbalance = {(config, name): sum(final_imbalance(root / config / f"{name}_seed{seed}") for seed in _SEEDS.value)
+               / len(_SEEDS.value) for config in _CONFIGS.value for name in names}
   seeds = len(_SEEDS.value)
+  width = max(len(name) for name in names)
   for config in _CONFIGS.value:
-    print(f"{config}, {_STEPS.value} steps, {seeds} seeds: final eval loss (measured, nats/token), mean [min, max] "
-          "and the mean's difference from AdamW's")
+    print(f"{config}, {_STEPS.value} steps, {seeds} seeds: final eval loss (measured, nats/token), mean [min, max], "
+          "the mean's difference from AdamW's, and the last step's expert-load imbalance (busiest / mean, "
+          "mean over layers and seeds)")
     base = curves[config, "adamw"][-1][1]
     for name in names:
       step, mean, low, high = curves[config, name][-1]
-      print(f"  {name:17s} {mean:.4f} [{low:.4f}, {high:.4f}] {mean - base:+.4f}")
+      print(f"  {name:{width}s} {mean:.4f} [{low:.4f}, {high:.4f}] {mean - base:+.4f}  {imbalance[config, name]:.3f}")
     steps = [s for s, *_ in curves[config, "adamw"]]
-    print("  mean eval loss at steps " + " ".join(f"{s:>6d}" for s in steps))
+    print(f"  {'mean eval loss at steps':{width + 1}s}" + " ".join(f"{s:>6d}" for s in steps))
     for name in names:
-      print(f"  {name:17s}          " + " ".join(f"{m:6.3f}" for _, m, _, _ in curves[config, name]))
+      print(f"  {name:{width}s} " + " ".join(f"{m:6.3f}" for _, m, _, _ in curves[config, name]))
   if _PLOT.value:
     _plot(curves, names, pathlib.Path(_PLOT.value))
 
