@@ -18,10 +18,8 @@ in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.t
 seq_len 4096): 79.7 GFLOP per token.
 
 Compiled for 64 H100s as set here (deviceless, 2026-11-29; experiments/benchmarks/RESULTS.md), the step
-peaks at 68.7 GB per device (the cost model says 77.0 GB), 90% of the 76.45 GB JAX's allocator holds at
-train.gpu_memory_fraction=0.9. The layout was planned before that field existed, against 95% of the whole
-GPU; the planner now plans to 0.9 x 0.95 = 72.6 GB and, its memory model being 12% above the compiled peak
-here, judges this layout not to fit and ranks fsdp 64x1x1x1 (2 micro-batches, remat dots, 36.4%) best.
+peaks at 68.7 GB per device (the cost model says 66.6 GB), 90% of the 76.45 GB JAX's allocator holds at
+train.gpu_memory_fraction=0.9.
 
 Choices (the planner's best layout on 64 H100s: `python -m experiments.plan --config=<this file> --gpus=64`,
 13.16 s per step, 40.2% MFU, modelled at its stated 50% GEMM efficiency, 2026-11-29):

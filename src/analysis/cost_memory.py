@@ -20,8 +20,9 @@
   (normed inputs, q/k/v/o, MLP hidden units) plus the attention probabilities [B, N, S_q, S_k] in float32
   (under a flash-attention kernel only its output and softmax statistics) and the MoE dispatch buffers
   (the [ep*S, D] receive buffer, its tiled copy, the [rows, F] gate, up and hidden units: silu(gate) is
-  recomputed, see sharding/grouped_ffn.py swiglu_hidden), which dominate at small sizes. Which buffers exist is
-  the parallel plan's choice of implementation (meshmoe.sharding.plan).
+  recomputed, see sharding/grouped_ffn.py swiglu_hidden), which dominate at small sizes; the token
+  exchanges' own buffers live for one layer at a time. Which buffers exist is the parallel plan's choice of
+  implementation (meshmoe.sharding.plan).
 The compiled step also holds the batch, temporary buffers XLA schedules between ops and the output layer's
 logits; the logits are counted (one chunk of them in float32, and the weight-gradient part the chunks sum
 into: `_output_layer`), the rest is not.
@@ -255,10 +256,17 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   buffers = 2 * (gathered - tokens) * d * c  # the gathered tokens and their gradient
   assignments = gathered * moe.top_k
   rows = ep * expert_parallel.peer_slot(gathered, moe.top_k, local_experts)  # the receive buffer
-  # Copied rows, and the exchanges' buffers: the receive buffer and the returned rows, [ep, S] padded slots
-  # on CPU, the assignments' [A] rows where ragged_all_to_all returns them (expert_parallel.py).
-  returned = assignments if choice.exchange == "ragged_all_to_all" else rows
-  buffers += assignments * d * c * 2 + (2 * (rows + returned) * d * c if ep > 1 else 0)
+  buffers += assignments * d * c * 2  # copied rows
+  # The exchanges' buffers, with their cotangents: the receive buffer and the returned rows, [ep, S] padded
+  # slots on CPU, the assignments' [A] rows where ragged_all_to_all returns them (expert_parallel.py).
+  # Ragged exchanges' buffers live while one layer runs, not until the backward pass, whose exchanges move
+  # cotangents and read neither (compiled deviceless, Mixtral-8x7B without remat keeps no layer's copy:
+  # RESULTS.md); XLA:CPU keeps the padded ones of every layer (tests/test_cost_model.py).
+  ragged = choice.exchange == "ragged_all_to_all"
+  returned = assignments if ragged else rows
+  exchange = 2 * (rows + returned) * d * c if ep > 1 else 0.0
+  if not ragged:
+    buffers, exchange = buffers + exchange, 0.0
   if choice.implementation == "fused":
     # The tile plan's buffers: send and returned rows, received rows with their hidden units (and gate and
     # up unless the kernels recompute them); the backward's dispatched gradients [R, D + F] are transient,
@@ -294,7 +302,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     layer_weights = 3 * local_experts * d * width
     blocks = sum(local_experts * blocked_gemm.capacity_rows(tokens * moe.top_k, local_experts)
                  for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks))
-    transient = layer_weights * (c + 4) + rows * d * c + blocks * (3 * d + 6 * width) * c
+    transient = layer_weights * (c + 4) + rows * d * c + blocks * (3 * d + 6 * width) * c + exchange
     return 2 * residual + buffers + hidden + router, transient
   elif choice.grouped_gemm == "kernels":  # the receive buffer as is; the kernels make no dense intermediate
     logical = ("exp", "embed", "exp_mlp")
@@ -309,10 +317,10 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
     stored = elements * _stored_itemsize(config, plan) / _shards(plan, plan.param_spec(logical))
     if m.remat == "none":
       stored = elements * c / _shards(plan, plan.weight_spec(logical)) + _gather_transposes(config, plan)
-    transient = 2 * rows * width * c + stored
+    transient = 2 * rows * width * c + stored + exchange
   else:  # XLA's ragged_dot: dense over every local expert
     tiled_rows, weights = rows, 0.0
-    transient = 4 * local_experts * rows * width * c
+    transient = 4 * local_experts * rows * width * c + exchange
   hidden = tiled_rows * (2 * d + 3 * width) * c  # tile inputs and outputs, gate/up/hidden units
   router = gathered * moe.num_experts * 4 * 3
   return 2 * residual + buffers + hidden + weights + router, transient
