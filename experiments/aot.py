@@ -8,7 +8,9 @@
 in src/analysis/gpu_specs/), or cpu. Prints the cost model's figures beside the compiled program's (matmul
 FLOPs, peak memory, bytes per collective kind and how much of it overlaps compute) and whether the step fits
 in device memory; writes the JSON report (meshmoe.analysis.aot) to --out. Needs the `deviceless` extra for GPU
-targets (the CUDA PJRT plugin; no GPU or CUDA libraries). Exit status 0 when the step fits, 3 when it does not.
+targets (the CUDA PJRT plugin; no GPU or CUDA libraries). With capped MoE receive buffers
+(--config.parallel.moe_buffer_factor) it compiles the dropless fallback step too, which must fit as well.
+Exit status 0 when the step fits, 3 when it does not.
 --kernel_resources adds each Mosaic GPU kernel's registers and spills as ptxas reports them (compiled;
 meshmoe.analysis.kernel_resources).
 """
@@ -88,8 +90,9 @@ def main(argv):
       print(f"compiled HLO: {hlo}")
   except OSError as e:
     sys.exit(f"error: writing {e.filename}: {e.strerror}")
-  fits = report.data["memory"]["fits"]
-  sys.exit(3 if fits is False else 0)
+  fallback = report.data["dropless_fallback"]
+  fits = [report.data["memory"]["fits"], *([fallback["memory"]["fits"]] if fallback else [])]
+  sys.exit(3 if False in fits else 0)
 
 
 if __name__ == "__main__":

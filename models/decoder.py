@@ -82,16 +82,17 @@ class DecoderLayer(nnx.Module):
     # router's, the projections') into one, which waits for both halves: A's dispatch would then wait for
     # B's attention instead of running beside it.
     xb_BSD, na_BSD, assignment_a = jax.lax.optimization_barrier((xb_BSD, na_BSD, assignment_a))
-    ya_BSD = self.ffn.routed_experts(na_BSD, assignment_a, replicas)
+    ya_BSD, use_a = self.ffn.routed_experts(na_BSD, assignment_a, replicas)
     xb_BSD = self._attention_block(xb_BSD, positions_b_BS, documents_b)
     nb_BSD = self.ffn_norm(xb_BSD)
     assignment_b, stats_b = self.ffn.route(nb_BSD, positions_b_BS, mask_b_BS)
-    yb_BSD = self.ffn.routed_experts(nb_BSD, assignment_b, replicas)
+    yb_BSD, use_b = self.ffn.routed_experts(nb_BSD, assignment_b, replicas)
     if self.ffn.shared is not None:
       ya_BSD = ya_BSD + self.ffn.shared(na_BSD)
       nb_BSD, ya_BSD = jax.lax.optimization_barrier((nb_BSD, ya_BSD))  # the same for the shared experts
       yb_BSD = yb_BSD + self.ffn.shared(nb_BSD)
-    stats = merge_halves(stats_a, stats_b, per_sequence=self.ffn.cfg.balance_loss == "sequence")
+    stats = merge_halves(dataclasses.replace(stats_a, buffer_use=use_a), dataclasses.replace(stats_b, buffer_use=use_b),
+                         per_sequence=self.ffn.cfg.balance_loss == "sequence")
     return ((constrain(xa_BSD + ya_BSD, _RESIDUAL_STREAM), constrain(xb_BSD + yb_BSD, _RESIDUAL_STREAM)),
             (positions_a_BS, positions_b_BS)), stats
 
@@ -187,6 +188,7 @@ class ModelAux:
   expert_load_LE: jax.Array  # assignments per expert, per MoE layer
   dropped_fraction_L: jax.Array  # dropped assignments per MoE layer
   score_mean_LE: jax.Array  # mean normalised router score per expert, per MoE layer (the aux loss's p_e)
+  buffer_use_L: jax.Array  # the fullest capped receive buffer per MoE layer (MoEStats.buffer_use; 0: worst case)
 
 
 jax.tree_util.register_dataclass(ModelAux)
@@ -267,10 +269,11 @@ def _collect(stats: MoEStats | None, num_experts: int) -> ModelAux:
   """Means of the per-layer router losses; loads and drops stay per layer ([L, E], [L])."""
   if stats is None:
     zero = jnp.zeros((), jnp.float32)
-    return ModelAux(zero, zero, jnp.zeros((0, num_experts)), jnp.zeros((0,)), jnp.zeros((0, num_experts)))
+    return ModelAux(zero, zero, jnp.zeros((0, num_experts)), jnp.zeros((0,)), jnp.zeros((0, num_experts)),
+                    jnp.zeros((0,)))
   return ModelAux(aux_loss=jnp.mean(stats.aux_loss), z_loss=jnp.mean(stats.z_loss),
                   expert_load_LE=stats.load_E, dropped_fraction_L=stats.dropped_fraction,
-                  score_mean_LE=stats.score_mean_E)
+                  score_mean_LE=stats.score_mean_E, buffer_use_L=stats.buffer_use)
 
 
 def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Array,
@@ -294,7 +297,7 @@ def lm_loss_terms(model: Transformer, tokens_BS: jax.Array, targets_BS: jax.Arra
                                     chunk_bytes=model.cfg.logits_chunk_bytes)
   return {"ce_sum": ce_sum, "tokens": jnp.sum(mask_BS), "aux_loss": aux.aux_loss,
           "z_loss": aux.z_loss, "expert_load": aux.expert_load_LE, "dropped_fraction": aux.dropped_fraction_L,
-          "score_mean": aux.score_mean_LE}
+          "score_mean": aux.score_mean_LE, "buffer_use": aux.buffer_use_L}
 
 
 def combine_loss_terms(terms: dict[str, jax.Array], moe: MoEConfig, total_tokens: jax.Array,

@@ -26,6 +26,9 @@ class MoEStats:
   score_mean_E: jax.Array  # mean normalised router score per expert (what the aux loss weighs the load by)
   tokens: jax.Array  # the unmasked tokens the statistics are over
   sequences: jax.Array  # the sequences with an unmasked token
+  # The fullest capped receive buffer of the expert exchange (sharding/expert_parallel.py; rows sent over
+  # rows held, above 1: rows were left out and the step must run again); 0 with worst-case buffers.
+  buffer_use: jax.Array | float = 0.0
 
 
 jax.tree_util.register_dataclass(MoEStats)
@@ -45,7 +48,7 @@ def merge_halves(a: MoEStats, b: MoEStats, per_sequence: bool) -> MoEStats:
   else:
     aux_loss = load_balancing_loss(load_E, score_mean_E)
   return MoEStats(aux_loss, mean(a.z_loss, b.z_loss), load_E, mean(a.dropped_fraction, b.dropped_fraction),
-                  score_mean_E, tokens, sequences)
+                  score_mean_E, tokens, sequences, jnp.maximum(a.buffer_use, b.buffer_use))
 
 
 # Each token's experts and combine weights, as `route` decides them: (experts_BSK int32, weights_BSK float32).
@@ -70,10 +73,10 @@ class MoEBlock(nnx.Module):
     """`positions_BS` (default 0..S-1) orders capacity priority when the sequence is permuted; `replicas`:
     see `routed_experts`; `mask_BS`: see `route`."""
     assignment, stats = self.route(x_BSD, positions_BS, mask_BS)
-    y_BSD = self.routed_experts(x_BSD, assignment, replicas)
+    y_BSD, buffer_use = self.routed_experts(x_BSD, assignment, replicas)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
-    return y_BSD, stats
+    return y_BSD, dataclasses.replace(stats, buffer_use=buffer_use)
 
   def route(self, x_BSD: jax.Array, positions_BS: jax.Array | None = None,
             mask_BS: jax.Array | None = None) -> tuple[ExpertAssignment, MoEStats]:
@@ -101,10 +104,12 @@ class MoEBlock(nnx.Module):
     return (experts_BSK, routing.weights_TK), stats
 
   def routed_experts(self, x_BSD: jax.Array, assignment: ExpertAssignment,
-                     replicas: ExpertWeights | None = None) -> jax.Array:
-    """The routed experts' outputs, combined per token (the parallel op of the active plan). `replicas`: these
-    weights as per-replica copies for a compressed gradient sum (expert_parallel.expert_replicas), or None."""
+                     replicas: ExpertWeights | None = None) -> tuple[jax.Array, jax.Array]:
+    """The routed experts' outputs, combined per token (the parallel op of the active plan), and the fullest
+    receive buffer's use (MoEStats.buffer_use). `replicas`: these weights as per-replica copies for a
+    compressed gradient sum (expert_parallel.expert_replicas), or None."""
     experts_BSK, weights_BSK = assignment
     w = ExpertWeights(self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
-    y_BSD = expert_parallel.moe_ffn(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden, replicas)
-    return constrain(y_BSD, ("act_batch", "act_seq", "act_embed"))
+    y_BSD, buffer_use = expert_parallel.moe_ffn_and_buffer_use(x_BSD, experts_BSK, weights_BSK, w, swiglu_hidden,
+                                                               replicas)
+    return constrain(y_BSD, ("act_batch", "act_seq", "act_embed")), buffer_use

@@ -19,9 +19,19 @@ Steps 3 and 5 (and their backward) can travel in a lower precision than the acti
 per-128-channel scales, or bfloat16; the plan's `dispatch_formats`/`combine_formats`): sharding/
 exchange_formats.py converts on both sides of the same exchanges.
 
-Dropless needs receive buffers for the worst case (ep*S rows); the grouped GEMMs compute only the rows
-routing sent (the CPU's blocked GEMM in blocks sized for balanced routing, A rows, plus overflow tiles;
-the GPU kernels only the tiles holding rows).
+Receive buffers. Dropless needs them for the worst case (ep*S rows); the grouped GEMMs compute only the
+rows routing sent (the CPU's blocked GEMM in blocks sized for balanced routing, A rows, plus overflow
+tiles; the GPU kernels only the tiles holding rows). The worst case is ep*min(K, E/ep)/K times the A rows a
+device receives under balanced routing: 32 x for DeepSeek-V3's 256-way exchange, where those buffers,
+their tiled copies and the kernels' hidden units dominate a layer's memory. With `parallel.moe_buffer_factor`
+f >= 1 the plan caps each buffer at f x A rows (`receive_rows`), and the peers' rows lie one after another
+in it, peer order, each peer's sorted by my local expert (`_capped_moves`: each sender learns where its
+rows start in each receiver and how many fit, an all_to_all of ep x 2 int32). Rows past the end are
+neither sent nor computed, and come back as zeros: then the result is wrong, so every call reports its
+fullest buffer's use (rows sent over rows held, the max over devices and chunks), and a train step where it
+exceeds 1 anywhere is not taken but run again with worst-case buffers (training/train_step.py,
+`dropless_fallback`): no assignment is ever dropped for good. XLA:CPU still moves the padded worst-case
+slots and copies out the rows the buffer keeps (the same rows, the same results; no memory saved there).
 Capacity mode marks dropped assignments with expert id E before calling here: they are never sent.
 
 Expert-tensor parallelism: when the rules also split the experts' width (`exp_mlp`) over some axes, each
@@ -49,6 +59,7 @@ Implementations (the plan's `expert_ffn` picks one; sharding/plan.py):
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -73,12 +84,23 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
   nothing. Runs as the active plan says; with none, on one device with the platform's grouped GEMM.
   Where the plan compresses the weights' gradient sum over their replicas (sharding/gradient_sync.py), the
   op runs on per-replica copies of `w`: `replicas` ([R, ...] each; `expert_replicas`), or its own."""
+  return moe_ffn_and_buffer_use(x_BSD, experts_BSK, weights_BSK, w, activation, replicas)[0]
+
+
+def moe_ffn_and_buffer_use(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w: ExpertWeights,
+                           activation: Activation, replicas: ExpertWeights | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
+  """(`moe_ffn`'s result, the fullest receive buffer's use): where the plan caps the receive buffers
+  (`parallel.moe_buffer_factor`), the most rows any device's buffer was sent over the rows it holds, a
+  float32 scalar the same on every device; above 1, rows were left out and the result is wrong (the train
+  step then redoes the step with worst-case buffers). 0 where the buffers hold the worst case."""
   plan = current()
+  no_use = jnp.zeros((), jnp.float32)
   if plan is None:
     hardware = Hardware.of(jax.devices()[0])
     gemm, kernels, _ = grouped_gemm_for(grouped_gemm("auto", hardware), hardware, x_BSD.dtype, x_BSD.shape[-1],
                                         w.gate_EDF.shape[-1])
-    return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation, gemm, kernels=kernels)
+    return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation, gemm, kernels=kernels), no_use
   lay = plan.expert_layout()
 
   w_specs = ExpertWeights(lay.gate_spec, lay.gate_spec, lay.down_spec)
@@ -107,16 +129,22 @@ def moe_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, w:
     if lay.weight_gather:
       w = _gather_stored(w, x_BSD, lay.weight_gather)
     choice = plan.expert_ffn(lay.ep, x_BSD.shape[-1], w.gate_EDF.shape[-1], x_BSD.dtype)
+    uses = []  # the capped receive buffers' use, one per chunk (`_send`)
     y_BSD = IMPLEMENTATIONS[choice.implementation](x_BSD, experts_BSK, weights_BSK, w, activation, lay, choice,
-                                                    plan.hardware.num_sms)
+                                                    plan.hardware.num_sms, uses.append)
     if lay.gather:
       y_BSD = jax.lax.psum_scatter(y_BSD, lay.gather, scatter_dimension=lay.token_dim, tiled=True)
     if lay.reduce:
       y_BSD = jax.lax.psum(y_BSD, lay.reduce)
-    return y_BSD
+    # The most of any chunk on any device, so that every device takes the same decision.
+    use = no_use
+    if uses:
+      use = jax.lax.stop_gradient(jnp.max(jnp.stack(uses)))
+      use = jax.lax.pmax(use, parallel.varying_axes(use))
+    return y_BSD, use
 
   x_spec = lay.token_spec
-  return parallel.shard_map(plan, body, (x_spec, x_spec, x_spec, w_specs), x_spec)(
+  return parallel.shard_map(plan, body, (x_spec, x_spec, x_spec, w_specs), (x_spec, PartitionSpec()))(
       x_BSD, experts_BSK, weights_BSK, w)
 
 
@@ -156,18 +184,19 @@ def expert_replicas(w_L: ExpertWeights, grad_residual: ExpertWeights | None) -> 
                                    plan.gradient_replica_axes, axis=1)
 
 
-# --- The implementations: (x_BSD, experts_BSK, weights_BSK, w, activation, layout, choice, SMs) -> y_BSD --
+# --- The implementations: (x_BSD, experts_BSK, weights_BSK, w, activation, layout, choice, SMs, report) -> y_BSD,
+# `report` taking each capped receive buffer's use (`_send`). ------------------------------------------------
 
 
 def _local(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, choice: ExpertChoice,
-           num_sms: int) -> jax.Array:
+           num_sms: int, report: Callable) -> jax.Array:
   """Every expert is here: nothing to exchange, nothing to overlap."""
   return grouped_ffn.moe_local(x_BSD, experts_BSK, weights_BSK, w, activation, choice.grouped_gemm,
                                choice.block_rows, choice.gemm_kernels)
 
 
 def _all_to_all(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, choice: ExpertChoice,
-                num_sms: int) -> jax.Array:
+                num_sms: int, report: Callable) -> jax.Array:
   """Steps 1-5 for one device's tokens: in one pass, or in `choice.chunks` pipelined chunks."""
   b, s, d = x_BSD.shape
   k = experts_BSK.shape[-1]
@@ -179,15 +208,16 @@ def _all_to_all(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayou
   ep = lay.ep
   y_TD = moe_pipeline.pipelined(
       functools.partial(_send, exchange=exchange, axes=lay.expert_axes, ep=ep, local_experts=w.num_experts,
-                        formats=choice.dispatch_formats),
+                        formats=choice.dispatch_formats, buffer_factor=choice.buffer_factor, report=report),
       functools.partial(_compute, w=w, activation=activation, choice=choice),
-      functools.partial(_receive, exchange=exchange, axes=lay.expert_axes, ep=ep, formats=choice.combine_formats),
+      functools.partial(_receive, exchange=exchange, axes=lay.expert_axes, ep=ep, local_experts=w.num_experts,
+                        formats=choice.combine_formats),
       x_BSD.reshape(b * s, d), experts_BSK.reshape(b * s, k), weights_BSK.reshape(b * s, k), choice.chunks)
   return y_TD.reshape(b, s, d)
 
 
 def _fused(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, choice: ExpertChoice,
-           num_sms: int) -> jax.Array:
+           num_sms: int, report: Callable) -> jax.Array:
   """Steps 2-5 as the two fused MoE kernels (module docstring) on `choice.kernel_backend`."""
   b, s, d = x_BSD.shape
   k = experts_BSK.shape[-1]
@@ -214,14 +244,28 @@ def _fused(x_BSD, experts_BSK, weights_BSK, w, activation, lay: ExpertLayout, ch
 IMPLEMENTATIONS = {"local": _local, "all_to_all": _all_to_all, "fused": _fused}
 
 
+class _Moves(NamedTuple):
+  """Where a chunk's rows travel (integer arrays; the exchanges' `moves`). Peer p's rows land at rows
+  [offset_P[p], offset_P[p] + kept_P[p]) of my receive buffer; mine at [write_at_P[p], + sent_P[p]) of
+  peer p's. Worst-case buffers: slot p of S rows each (offset p*S) and every row kept; capped buffers
+  (`receive_rows`): the peers' rows one after another, rows past the buffer's end neither sent nor kept."""
+
+  peer_A: jax.Array  # destination of each sorted assignment; ep for dropped ones
+  rank_A: jax.Array  # its row among those sent to that peer
+  send_P: jax.Array  # rows I route to each peer
+  recv_P: jax.Array  # rows each peer routes to me
+  offset_P: jax.Array  # where each peer's rows start in my buffer
+  kept_P: jax.Array  # how many of each peer's rows my buffer holds (recv_P unless it overflows)
+  write_at_P: jax.Array  # where my rows start in each peer's buffer
+  sent_P: jax.Array  # how many of my rows each peer's buffer holds (send_P unless it overflows)
+  slot_R: jax.Array | None  # capped buffers: each row's place in the worst-case slot layout (ep*S: none)
+
+
 class _Route(NamedTuple):
   """What `_send` leaves for a chunk's `_compute` and `_receive`."""
   expert_R: jax.Array  # my local expert of each received row; E/ep for padding rows (zeros)
   order_A: jax.Array  # the assignments sorted by expert
-  peer_A: jax.Array  # destination of each sorted assignment; ep for dropped ones
-  rank_A: jax.Array  # its row among those sent to that peer
-  send_P: jax.Array  # rows I send to each peer
-  recv_P: jax.Array  # rows each peer sends me
+  moves: _Moves
   weights_TK: jax.Array  # combine weights
 
 
@@ -231,11 +275,23 @@ def peer_slot(num_tokens: int, top_k: int, local_experts: int) -> int:
   return num_tokens * min(top_k, local_experts)
 
 
+def receive_rows(num_tokens: int, top_k: int, local_experts: int, ep: int, buffer_factor: float) -> int:
+  """Rows of a device's receive buffer for a chunk of `num_tokens` tokens per device: the dropless worst
+  case, ep x S (`peer_slot`), or with `buffer_factor` f > 0 (`parallel.moe_buffer_factor`) f x the A = T x K
+  rows every device receives under balanced routing, rounded up to a multiple of 8, at most the worst case."""
+  worst = ep * peer_slot(num_tokens, top_k, local_experts)
+  if not buffer_factor:
+    return worst
+  return min(worst, -(-math.ceil(buffer_factor * num_tokens * top_k) // 8) * 8)
+
+
 def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.Axes, ep: int,
-          local_experts: int, formats: tuple[str, str]) -> tuple[jax.Array, _Route]:
+          local_experts: int, formats: tuple[str, str], buffer_factor: float = 0.0,
+          report: Callable = lambda use: None) -> tuple[jax.Array, _Route]:
   """Steps 1-3 for tokens x_TD: my assignments' rows, received by their experts' devices, travelling in
-  `formats` (forward, backward; exchange_formats.py). Returns my receive buffer (peer p's rows at
-  [p*S, p*S + n_p), sorted by my local expert) and its route."""
+  `formats` (forward, backward; exchange_formats.py). Returns my receive buffer (`_Moves` says where each
+  peer's rows are; each peer's sorted by my local expert) and its route. With capped buffers
+  (`buffer_factor`), `report` gets the rows sent me over the rows my buffer holds."""
   num_tokens, k = experts_TK.shape
   num_assignments = num_tokens * k
   token_A = jnp.arange(num_assignments) // k
@@ -250,21 +306,45 @@ def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.A
   # 2. Counts first: recv_PE[p, e] = rows peer p sends for my local expert e.
   recv_PE = jax.lax.all_to_all(counts_E.reshape(ep, local_experts), axes, 0, 0)
   recv_P = jnp.sum(recv_PE, axis=1)
-  # 3. Tokens: rows [p*S, p*S + recv_P[p]) of the buffer come from peer p, sorted by my local expert.
+  # 3. Tokens, into the buffer `_Moves` describes.
   slot = peer_slot(num_tokens, k, local_experts)
+  rows = receive_rows(num_tokens, k, local_experts, ep, buffer_factor)
+  if rows < ep * slot:
+    moves, peer_R, row_R = _capped_moves(peer_A, rank_A, send_P, recv_P, rows, slot, axes, ep)
+    report(jnp.sum(recv_P).astype(jnp.float32) / rows)
+  else:
+    me = jax.lax.axis_index(axes)
+    moves = _Moves(peer_A, rank_A, send_P, recv_P, jnp.arange(ep, dtype=jnp.int32) * slot, recv_P,
+                   jnp.full((ep,), me * slot, jnp.int32), send_P, None)
+    peer_R, row_R = jnp.arange(ep * slot) // slot, jnp.arange(ep * slot) % slot
   sent_AD = x_TD[token_A[order_A]]
-  moves = (peer_A, rank_A, send_P, recv_P)
-  to_experts = functools.partial(exchange.to_experts, slot=slot, axes=axes, ep=ep)
+  to_experts = functools.partial(exchange.to_experts, slot=slot, rows=rows, axes=axes, ep=ep)
   if exchange_formats.is_plain(*formats):
     received_RD = to_experts(sent_AD, moves)
   else:
     received_RD = exchange_formats.move_rows(
-        exchange_formats.Movers(to_experts, functools.partial(exchange.to_senders, axes=axes, ep=ep)),
+        exchange_formats.Movers(to_experts, functools.partial(exchange.to_senders, slot=slot, axes=axes, ep=ep)),
         exchange_formats.Trip(*formats, sent_AD.dtype, sent_AD.dtype), sent_AD, moves)
+  # Each row's local expert: its place among its peer's rows against that peer's cumulative counts.
   cumulative_PE = jnp.cumsum(recv_PE, axis=1)
-  row_S = jnp.arange(slot)
-  local_expert_PS = jax.vmap(lambda c: jnp.searchsorted(c, row_S, side="right"))(cumulative_PE)
-  return received_RD, _Route(local_expert_PS.reshape(-1), order_A, peer_A, rank_A, send_P, recv_P, weights_TK)
+  peer = jnp.minimum(peer_R, ep - 1)
+  local_expert_R = jax.vmap(lambda c, r: jnp.searchsorted(c, r, side="right"))(cumulative_PE[peer], row_R)
+  local_expert_R = jnp.where(peer_R < ep, local_expert_R, local_experts)
+  return received_RD, _Route(local_expert_R, order_A, moves, weights_TK)
+
+
+def _capped_moves(peer_A, rank_A, send_P, recv_P, rows: int, slot: int, axes, ep: int):
+  """(_Moves of a capped buffer of `rows` rows, each row's peer (ep: padding), its place among that peer's
+  rows): the peers' rows one after another in peer order, those past the end left out. Each sender learns
+  where its rows start in each receiver and how many fit (an all_to_all of ep x 2 int32)."""
+  offset_P = (jnp.cumsum(recv_P) - recv_P).astype(jnp.int32)
+  kept_P = jnp.clip(rows - offset_P, 0, recv_P).astype(jnp.int32)
+  told = jax.lax.all_to_all(jnp.stack([offset_P, kept_P], axis=1), axes, 0, 0)
+  row = jnp.arange(rows)
+  peer_R = jnp.searchsorted(jnp.cumsum(recv_P), row, side="right")  # ep past the last peer's rows
+  row_R = row - offset_P[jnp.minimum(peer_R, ep - 1)]
+  slot_R = jnp.where(peer_R < ep, peer_R * slot + row_R, ep * slot)
+  return _Moves(peer_A, rank_A, send_P, recv_P, offset_P, kept_P, told[:, 0], told[:, 1], slot_R), peer_R, row_R
 
 
 def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activation,
@@ -275,69 +355,76 @@ def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activa
                                  choice.block_rows, choice.gemm_kernels, routed_rows=route.order_A.shape[0])
 
 
-def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, ep: int,
+def _receive(y_RD, route: _Route, *, exchange: _Exchange, axes: parallel.Axes, ep: int, local_experts: int,
              formats: tuple[str, str]) -> jax.Array:
   """Step 5: the outputs back to their senders in `formats` (forward, backward), then into each token (a
   float32 sum whatever the format): y_TD."""
   num_tokens, k = route.weights_TK.shape
+  slot = peer_slot(num_tokens, k, local_experts)
   token_A = jnp.arange(num_tokens * k) // k
-  moves = (route.peer_A, route.rank_A, route.send_P, route.recv_P)
-  to_senders = functools.partial(exchange.to_senders, axes=axes, ep=ep)
+  moves = route.moves
+  to_senders = functools.partial(exchange.to_senders, slot=slot, axes=axes, ep=ep)
   if exchange_formats.is_plain(*formats):
     y_sorted_AD = to_senders(y_RD, moves)
   else:
-    to_experts = functools.partial(exchange.to_experts, slot=y_RD.shape[0] // ep, axes=axes, ep=ep)
+    to_experts = functools.partial(exchange.to_experts, slot=slot, rows=y_RD.shape[0], axes=axes, ep=ep)
     y_sorted_AD = exchange_formats.move_rows(exchange_formats.Movers(to_senders, to_experts),
                                              exchange_formats.Trip(*formats, y_RD.dtype, y_RD.dtype), y_RD, moves)
   y_AD = jnp.zeros_like(y_sorted_AD).at[route.order_A].set(y_sorted_AD, unique_indices=True)
   return grouped_ffn.combine(y_AD, route.weights_TK.reshape(-1), token_A, num_tokens)
 
 
-# --- Token exchanges. `moves` = (peer_A, rank_A, send_P, recv_P) of a route; rows of any dtype (they are only
-# moved). `to_experts` puts peer p's rows at rows [p*S, p*S + n_p) of every receiver's [ep*S, W] buffer;
-# `to_senders`, its transpose, returns each of those rows to the assignment it came from, as [A, W] rows
-# sorted by destination (zeros for dropped assignments). -----------------------------------------------------
+# --- Token exchanges, by a route's `_Moves`; rows of any dtype (they are only moved). `to_experts` puts peer
+# p's rows at rows [offset_P[p], + kept_P[p]) of every receiver's buffer of `rows` rows (ep*S for the worst
+# case); `to_senders`, its transpose, returns each of those rows to the assignment it came from, as [A, W]
+# rows sorted by destination (zeros for dropped assignments and for rows a capped buffer left out). --------
 
 
 class _Exchange(NamedTuple):
-  to_experts: Callable  # (rows_AD sorted by destination, moves, *, slot S, axes, ep) -> [ep*S, W]
-  to_senders: Callable  # (rows_RD [ep*S, W] in receive layout, moves, *, axes, ep) -> [A, W]
+  to_experts: Callable  # (rows_AD sorted by destination, moves, *, slot S, rows, axes, ep) -> [rows, W]
+  to_senders: Callable  # (rows_RD [rows, W] in receive layout, moves, *, slot S, axes, ep) -> [A, W]
 
 
-def _padded_to_experts(rows_AD, moves, *, slot, axes, ep):
-  """all_to_all of an [ep, S, W] buffer: my sorted rows go to slot [peer, rank]."""
-  peer_A, rank_A, _, _ = moves  # the padded buffer carries whole slots; the counts only matter to ragged sends
+def _padded_to_experts(rows_AD, moves: _Moves, *, slot, rows, axes, ep):
+  """all_to_all of an [ep, S, W] buffer: my sorted rows go to slot [peer, rank]. A capped buffer then takes
+  its rows out of the slots (XLA:CPU, which has no ragged exchange, moves the worst case regardless)."""
   w = rows_AD.shape[-1]
-  buffer_PSW = jnp.zeros((ep, slot, w), rows_AD.dtype).at[peer_A, rank_A].set(rows_AD, mode="drop")
-  return jax.lax.all_to_all(buffer_PSW, axes, 0, 0).reshape(ep * slot, w)
+  buffer_PSW = jnp.zeros((ep, slot, w), rows_AD.dtype).at[moves.peer_A, moves.rank_A].set(rows_AD, mode="drop")
+  slotted_RD = jax.lax.all_to_all(buffer_PSW, axes, 0, 0).reshape(ep * slot, w)
+  if moves.slot_R is None:
+    return slotted_RD
+  return jnp.where((moves.slot_R < ep * slot)[:, None], slotted_RD[jnp.minimum(moves.slot_R, ep * slot - 1)], 0)
 
 
-def _padded_to_senders(rows_RD, moves, *, axes, ep):
-  """The receive buffer is already in slot layout: all_to_all it back whole, then read each assignment's
-  slot [peer, rank]."""
-  peer_A, rank_A, _, _ = moves
-  returned_PSW = jax.lax.all_to_all(rows_RD.reshape(ep, -1, rows_RD.shape[-1]), axes, 0, 0)
-  return jnp.where((peer_A < ep)[:, None], returned_PSW[jnp.minimum(peer_A, ep - 1), rank_A], 0)
+def _padded_to_senders(rows_RD, moves: _Moves, *, slot, axes, ep):
+  """The receive buffer in slot layout (a capped one's rows put back in their slots) all_to_all'd back
+  whole, then each assignment's slot [peer, rank] read; rows a capped buffer left out come back zero."""
+  w = rows_RD.shape[-1]
+  if moves.slot_R is not None:
+    rows_RD = jnp.zeros((ep * slot, w), rows_RD.dtype).at[moves.slot_R].set(rows_RD, mode="drop")
+  returned_PSW = jax.lax.all_to_all(rows_RD.reshape(ep, slot, w), axes, 0, 0)
+  peer_A, rank_A = moves.peer_A, moves.rank_A
+  kept = peer_A < ep
+  if moves.slot_R is not None:
+    kept &= rank_A < moves.sent_P[jnp.minimum(peer_A, ep - 1)]
+  return jnp.where(kept[:, None], returned_PSW[jnp.minimum(peer_A, ep - 1), rank_A], 0)
 
 
-def _ragged_to_experts(rows_AD, moves, *, slot, axes, ep):
-  """ragged_all_to_all into slot [my index] of every receiver's buffer (rows are contiguous per
-  destination already), so a receiver finds peer p's rows at p*S."""
-  _, _, send_P, recv_P = moves
-  me = jax.lax.axis_index(axes)
-  return _exchange_rows(ep * slot, axes, rows_AD, _first_rows(send_P), send_P.astype(jnp.int32),
-                        jnp.full((ep,), me * slot, jnp.int32), recv_P.astype(jnp.int32))
+def _ragged_to_experts(rows_AD, moves: _Moves, *, slot, rows, axes, ep):
+  """ragged_all_to_all of my rows for each peer (contiguous per destination already, the ones its buffer
+  holds) to where that peer keeps them."""
+  return _exchange_rows(rows, axes, rows_AD, _first_rows(moves.send_P), moves.sent_P.astype(jnp.int32),
+                        moves.write_at_P.astype(jnp.int32), moves.kept_P.astype(jnp.int32))
 
 
-def _ragged_to_senders(rows_RD, moves, *, axes, ep):
-  """Peer p's rows (at p*S of my buffer) straight back to where p read them: its sorted rows for me start at
-  its first_P[me], learnt by an all_to_all of the first rows. Only the real rows travel and land, in an
-  [A, W] result (not an [ep, S, W] buffer: ep*min(K, E/ep)/K times smaller)."""
-  peer_A, _, send_P, recv_P = moves
-  slot = rows_RD.shape[0] // ep
-  where_peers_read = jax.lax.all_to_all(_first_rows(send_P), axes, 0, 0, tiled=True)
-  return _exchange_rows(peer_A.shape[0], axes, rows_RD, jnp.arange(ep, dtype=jnp.int32) * slot,
-                        recv_P.astype(jnp.int32), where_peers_read, send_P.astype(jnp.int32))
+def _ragged_to_senders(rows_RD, moves: _Moves, *, slot, axes, ep):
+  """Peer p's rows (at offset_P[p] of my buffer) straight back to where p read them: its sorted rows for me
+  start at its first_P[me], learnt by an all_to_all of the first rows. Only the real rows travel and land,
+  in an [A, W] result (not a buffer of the receive side's size: ep*min(K, E/ep)/K times smaller for the
+  worst case)."""
+  where_peers_read = jax.lax.all_to_all(_first_rows(moves.send_P), axes, 0, 0, tiled=True)
+  return _exchange_rows(moves.peer_A.shape[0], axes, rows_RD, moves.offset_P.astype(jnp.int32),
+                        moves.kept_P.astype(jnp.int32), where_peers_read, moves.sent_P.astype(jnp.int32))
 
 
 def _first_rows(send_P) -> jax.Array:

@@ -151,6 +151,13 @@ class ParallelPlan:
     return layer.implementation == "two_halves" if layer else self.parallel.layer_schedule == "two_halves"
 
   @property
+  def caps_receive_buffers(self) -> bool:
+    """Whether the routed experts' token exchange receives into buffers smaller than the dropless worst
+    case (`parallel.moe_buffer_factor`; an overflowing step is run again with worst-case buffers)."""
+    moe = self.ops.get("moe")
+    return moe is not None and moe.implementation == "all_to_all" and moe.buffer_factor > 0
+
+  @property
   def gradient_compression(self) -> str:
     """How the routed experts' gradients are summed over their replicas (ParallelConfig.gradient_compression)."""
     return self.parallel.gradient_compression
@@ -336,6 +343,8 @@ class ParallelPlan:
     if ep == 1:
       unused = [f"parallel.{name}={getattr(self.parallel, name)!r}" for name in EXCHANGE_FORMAT_FIELDS
                 if getattr(self.parallel, name) != "auto"]
+      if self.parallel.moe_buffer_factor:
+        unused.append(f"parallel.moe_buffer_factor={self.parallel.moe_buffer_factor!r}")
       if unused:  # said, not an error: a config may set them for the layouts that exchange tokens
         gemm_fallback = "; ".join(filter(None, (gemm_fallback, f"{', '.join(unused)} unused: no tokens are "
                                                                "exchanged (one device holds every expert)")))
@@ -353,12 +362,18 @@ class ParallelPlan:
           expert_axes)
       if backend:
         gradient = self.parallel.moe_swiglu_gradient
+        unused = (f"parallel.moe_buffer_factor={self.parallel.moe_buffer_factor!r} unused: the fused kernels' "
+                  "tile plan sizes their buffers" if self.parallel.moe_buffer_factor else "")
         return ExpertChoice("fused", f"dispatch + grouped GEMM + SwiGLU ({gradient} gate/up for its gradient), "
                             f"grouped GEMM + return over {over}{_describe_tiles(tiles, backend, sender=True)}",
-                            kernel_backend=backend, swiglu_gradient=gradient, tiles=tiles)
+                            kernel_backend=backend, swiglu_gradient=gradient, tiles=tiles, fallback=unused)
     chunks = self.parallel.moe_chunks if self.tier.moe_pipeline else 1
     exchange = "padded_all_to_all" if self.hardware.platform == "cpu" else "ragged_all_to_all"
     detail = f"{chunks} chunk(s); tokens by {exchange} over {over}"
+    factor = self.parallel.moe_buffer_factor
+    if factor:
+      detail += (f"; receive buffers for {factor:g}x balanced routing (an overflowing step runs again with "
+                 "worst-case buffers)")
     for name, (forward, backward) in zip(("dispatch", "combine"), formats):
       if not exchange_formats.is_plain(forward, backward):
         forward, backward = (f.replace("auto", "the activation dtype") for f in (forward, backward))
@@ -366,7 +381,7 @@ class ParallelPlan:
     return ExpertChoice("all_to_all", f"{detail}; grouped GEMM {gemm_name}",
                         fallback="; ".join(filter(None, (fused_fallback, gemm_fallback))),
                         exchange=exchange, chunks=chunks, dispatch_formats=formats[0], combine_formats=formats[1],
-                        **gemm)
+                        buffer_factor=factor, **gemm)
 
   def _exchange_formats(self) -> tuple[tuple[str, str], tuple[str, str]]:
     """((dispatch, its gradient), (combine, its gradient)) wire formats. Raises ConfigError for float8 on a

@@ -85,6 +85,9 @@ class ExpertChoice(OpChoice):
   gemm_kernels: GemmKernels | None = None  # the three forms' kernels, for "kernels"
   block_rows: int = 0  # rows per overflow tile of the blocked GEMM; 0: blocked_gemm.DEFAULT_TILE_ROWS
   chunks: int = 1  # pipelined chunks of each device's tokens (clamped to the tokens: moe_pipeline)
+  # Receive buffers (`parallel.moe_buffer_factor`): 0 for the dropless worst case, f >= 1 for f x the rows of
+  # balanced routing (expert_parallel.receive_rows), the step redone with worst-case buffers on overflow.
+  buffer_factor: float = 0.0
   # Wire formats (config.EXCHANGE_FORMATS) of the dispatch and of the combine's return exchange, each as
   # (forward, backward): `parallel.moe_{dispatch,combine}_dtype` and `moe_exchange_grad_dtype`.
   dispatch_formats: tuple[str, str] = ("auto", "auto")

@@ -76,6 +76,10 @@ class Config:
     validate_mesh(self.mesh)
     self.parallel.validate()
     check_weight_storage(self.mesh.weight_storage, self.parallel, self.mesh.optimizer_storage)
+    fallback = self.parallel.moe_fallback_grad_accum_steps
+    if fallback and self.train.global_batch_size % fallback:
+      raise ConfigError("parallel.moe_fallback_grad_accum_steps", fallback,
+                        f"0 or a divisor of train.global_batch_size={self.train.global_batch_size}")
     if num_devices is not None:
       resolve_mesh_sizes(self.mesh, num_devices)
     return self

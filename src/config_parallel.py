@@ -7,7 +7,7 @@ Import these names from meshmoe.config.
 import dataclasses
 import math
 
-from meshmoe.config_checks import ConfigError, check_bool, check_choice, check_int, check_positive_int
+from meshmoe.config_checks import ConfigError, check_bool, check_choice, check_int, check_positive_int, is_number
 
 MESH_AXES = ("data", "expert", "tensor", "sequence")
 PRESETS = ("dp", "fsdp", "zero1", "ep", "tp_sp", "megascale")
@@ -118,6 +118,18 @@ class ParallelConfig:
   # impl="xla": each device's MoE tokens go through dispatch -> expert GEMM -> combine in this many
   # chunks, so one chunk's all-to-alls overlap another chunk's GEMM. 1 turns the pipeline off.
   moe_chunks: int = 2
+  # The expert-parallel token exchange's receive buffers (the `all_to_all` path; sharding/expert_parallel.py,
+  # "Receive buffers"). 0: each is sized for the dropless worst case, every peer's rows coming to one device
+  # (ep x min(top_k, E/ep) x the tokens a device routes: 32 x the balanced rows for DeepSeek-V3 on 256 GPUs).
+  # f >= 1: f x the rows a device receives under balanced routing (top_k x its tokens). A step whose
+  # routing sends some device more rows than its buffer holds is not taken: the state stays as it was and
+  # the step runs again on the same batch with worst-case buffers, in `moe_fallback_grad_accum_steps`
+  # micro-batches (the dropless fallback), so no assignment is ever dropped. metrics.jsonl records the
+  # fullest buffer of each MoE layer (`moe_buffer_use`, 1 = full) and the fallback steps.
+  moe_buffer_factor: float = 0.0
+  # The dropless fallback's micro-batches: 0 takes train.grad_accum_steps; more fit its worst-case buffers
+  # into less memory (the planner picks the fewest that fit). A divisor of train.global_batch_size.
+  moe_fallback_grad_accum_steps: int = 0
   # The routed experts' grouped GEMM where no fused kernel runs (sharding/grouped_ffn.py): "auto" picks per
   # platform: "blocked" on CPU, "kernels" on GPUs, "ragged_dot" (XLA's own; dense over every expert) elsewhere.
   # "kernels": for each form (forward, input gradient, weight gradient) the GPU kernel that measurements
@@ -177,6 +189,13 @@ class ParallelConfig:
     check_choice("parallel.attention", self.attention, ATTENTION_KINDS)
     check_choice("parallel.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
     check_positive_int("parallel.moe_chunks", self.moe_chunks)
+    if not is_number(self.moe_buffer_factor) or not (self.moe_buffer_factor == 0 or 1 <= self.moe_buffer_factor
+                                                     < math.inf):
+      raise ConfigError("parallel.moe_buffer_factor", self.moe_buffer_factor,
+                        "0 (receive buffers for the dropless worst case) or a number >= 1 (that many times the "
+                        "rows of balanced routing; an overflowing step runs again with worst-case buffers)")
+    check_int("parallel.moe_fallback_grad_accum_steps", self.moe_fallback_grad_accum_steps, 0,
+              "0 (train.grad_accum_steps) or a positive number of micro-batches")
     check_choice("parallel.grouped_gemm", self.grouped_gemm, GROUPED_GEMMS)
     gemm_kernel_overrides(self.gemm_kernels)
     if not isinstance(self.kernel_table, str):

@@ -140,6 +140,10 @@ def test_non_negative_loss_weights(field, value):
   expect_error(make(**{field: value}), field, value, "a finite number >= 0")
 
 
+_BUFFER_FACTOR = ("0 (receive buffers for the dropless worst case) or a number >= 1 (that many times the rows of "
+                  "balanced routing; an overflowing step runs again with worst-case buffers)")
+
+
 @pytest.mark.parametrize("field, value, allowed", [pytest.param(*c, id=f"{c[0]}={c[1]!r}") for c in [
     ("model.dtype", "float16", "one of 'float32', 'bfloat16'"),
     ("model.dtype", "Float32", "one of 'float32', 'bfloat16'"),  # case-sensitive
@@ -155,6 +159,10 @@ def test_non_negative_loss_weights(field, value):
     ("parallel.kernel_backend", "reference", "one of 'auto', 'mosaic_gpu', 'collectives'"),
     ("parallel.kernel_tiles", "128x256", "one of 'one_warpgroup', 'warp_specialized'"),
     ("parallel.moe_chunks", 0, "a positive integer"),
+    ("parallel.moe_buffer_factor", 0.5, _BUFFER_FACTOR),
+    ("parallel.moe_buffer_factor", -1, _BUFFER_FACTOR),
+    ("parallel.moe_fallback_grad_accum_steps", -1, "0 (train.grad_accum_steps) or a positive number of micro-batches"),
+    ("parallel.moe_fallback_grad_accum_steps", 7, "0 or a divisor of train.global_batch_size=16"),
     ("parallel.attention", "flash", "one of 'allgather', 'ring', 'ulysses'"),
     ("parallel.moe_dispatch_dtype", "fp8", "one of 'auto', 'bfloat16', 'float8_e4m3fn'"),
     ("parallel.layer_schedule", "halves", "one of 'sequential', 'two_halves'"),

@@ -131,6 +131,9 @@ BAD: dict[str, st.SearchStrategy] = {
         lambda s: not s.startswith("hf:")),
     "train.seq_len": positive_int_bad() | st.integers(min_value=10**6),  # beyond model.max_seq_len
     "train.grad_accum_steps": positive_int_bad() | st.sampled_from([10_007, 65_537]),  # divides no batch
+    "parallel.moe_buffer_factor": (st.floats(min_value=0.0, max_value=1.0, exclude_min=True, exclude_max=True)
+                                   | st.floats(max_value=0.0, exclude_max=True) | non_finite | not_a_number),
+    "parallel.moe_fallback_grad_accum_steps": non_negative_int_bad() | st.sampled_from([10_007, 65_537]),
     "train.profile_steps": (st.sampled_from(["5", "5:", ":5", "a:b", "3:3", "8:2", "1:2:3", " 1:2"])
                             | not_a_string),
     "data.paths": not_a_string | st.text(min_size=1, max_size=8).filter(str.strip),  # stdlib takes no paths

@@ -66,7 +66,9 @@ def test_layouts_fit_the_share_of_memory_the_allocator_holds():
   config.train.gpu_memory_fraction = sizes[len(sizes) // 2] / (0.1e9 * 0.95)  # the median layout just fits
   lower = _search(config, 8, small, remats=("none",), presets=("ep",), memory_margin=0.05)
   assert lower.capacity_bytes == pytest.approx(sizes[len(sizes) // 2], rel=1e-12)
-  kept = {c.layout for c in found.ranked if c.memory_bytes <= lower.capacity_bytes}
+  # Worst-case receive buffers only: a capped layout also needs its dropless fallback to fit, which the
+  # lower share can rule out.
+  kept = {c.layout for c in found.ranked if c.memory_bytes <= lower.capacity_bytes and not c.layout.moe_buffer_factor}
   assert kept and len(kept) < len(found.ranked)
   assert kept <= {c.layout for c in lower.ranked}
   assert all(c.memory_bytes <= lower.capacity_bytes for c in lower.ranked)
@@ -87,6 +89,32 @@ def test_each_candidate_has_the_fewest_micro_batches_that_fit():
       except Exception:  # the config validation refuses that many (a ConfigError): not a candidate
         continue
       assert not judged.fits, (layout, accum)
+
+
+def test_capped_receive_buffers_are_searched_with_the_fewest_fallback_micro_batches_that_fit():
+  """On a GPU small enough that micro-batches matter, ep over 8 (one expert per device, top-2: the worst
+  case is 4x the balanced rows) is searched with buffers of 2x: each such candidate holds less than its
+  worst-case twin at the same micro-batches, and its dropless fallback runs in the fewest micro-batches
+  (no fewer than its own) at which the twin fits."""
+  config = _model()
+  small = dataclasses.replace(H100, memory_bytes=0.1e9)
+  found = _search(config, 8, small, remats=("none",), presets=("ep",))
+  capped = [c for c in found.ranked if c.layout.moe_buffer_factor]
+  assert capped and all(c.layout.moe_buffer_factor == planner.PLANNED_BUFFER_FACTOR for c in capped)
+  accums = [a for a in range(1, 33) if 32 % a == 0]
+  for candidate in capped:
+    layout = candidate.layout
+    twin = lambda accum: planner.evaluate(config, dataclasses.replace(
+        layout, moe_buffer_factor=0.0, fallback_accum_steps=0, grad_accum_steps=accum), found, 8)
+    assert candidate.memory_bytes < twin(layout.grad_accum_steps).memory_bytes
+    fallback = layout.fallback_accum_steps or layout.grad_accum_steps
+    assert twin(fallback).fits
+    assert not any(twin(a).fits for a in accums if layout.grad_accum_steps <= a < fallback)
+    assert planner.evaluate(config, layout, found, 8).fits
+  # One whose fallback needs more micro-batches than its own: with the fallback in its own count, which
+  # does not fit, the layout is judged not to fit although its capped step does.
+  layout = next(c.layout for c in capped if c.layout.fallback_accum_steps)
+  assert not planner.evaluate(config, dataclasses.replace(layout, fallback_accum_steps=0), found, 8).fits
 
 
 def test_nothing_fits_names_the_smallest_gpu_count_that_does():
@@ -239,6 +267,41 @@ def test_step_time_of_one_layout_computed_by_hand():
   plain = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, xla_flags="none"))
   predicted = step_time.predict(layout_config, plain, H100, 0.5, _cost(1.0, collectives, 0.4))
   assert predicted.step_s == pytest.approx(1.0 + 0.005 + 0.040 + 0.002)
+
+
+def test_every_tensor_parallel_ring_hides_and_gathered_attention_does_not():
+  """tp_sp 1x1x2x4 on 8 H100s, the xla tier: every projection block's ring passes run beside their block
+  matmuls and are hidden, attention's block included (its collectives are labelled apart from the
+  context-parallel attention's, whose K/V all-gather over `sequence` nothing hides)."""
+  layout = planner.Layout((1, 1, 2, 4), "tp_sp", "preset", "xla", "none", 1)
+  layout_config, plan = _plan(_model(), layout, 8)
+  assert plan.ops["attention"].implementation == "allgather"
+  assert plan.ops["attention.project_in"].implementation == "ring"
+  hidden = {(c.op, c.kind): step_time.hidden_fraction(plan, c)
+            for c in cost_collectives.collective_costs(layout_config, plan) if c.op.startswith("attention")}
+  assert hidden == {("attention", "all-gather"): 0.0, ("attention", "reduce-scatter"): 0.0,
+                    ("attention.projections", "collective-permute"): 1.0}, hidden
+
+
+def test_the_moe_pipeline_depth_is_searched_where_chunks_keep_enough_tokens(monkeypatch):
+  """megascale 4x4 on 16 H100s, 2 to a node (the exchanges over `expert` cross the network), routes 1024
+  tokens per device: with a floor of 256 tokens per chunk the xla tier's MoE pipeline is tried at 1, 2 and
+  4 chunks (8 would leave 128), each depth hiding more of the exchanges ((c-1)/c) at the same memory. This
+  step is bound by communication (hidden traffic outlasts compute), so the depth leaves it as long."""
+  monkeypatch.setattr(planner, "MIN_CHUNK_TOKENS", 256)
+  layout = planner.Layout((4, 4, 1, 1), "megascale", "preset", "xla", "none", 1)
+  found = planner.search(_model(), 16, H100, gpus_per_node=2, presets=("megascale",), tiers=("xla",),
+                         remats=("none",))
+  own = planner.evaluate(_model(), layout, found, gpus_per_node=2)
+  devices = planner.gpu_devices(H100, 16, 2)
+  tried = planner._with_moe_chunks(_model(), [own], devices, found.capacity_bytes, H100, 0.5)
+  by_depth = {c.layout.moe_chunks: c for c in tried}
+  assert sorted(by_depth) == [1, 2, 4], sorted(by_depth)
+  exposed = [by_depth[c].time.exposed_comm_s for c in (1, 2, 4)]
+  assert exposed[0] > exposed[1] > exposed[2]
+  assert len({round(c.memory_bytes) for c in tried}) == 1
+  assert all(c.time.step_s == pytest.approx(own.time.step_s, rel=0.05) for c in tried)
+  assert "--config.parallel.moe_chunks=4" in by_depth[4].layout.overrides()
 
 
 def test_weight_storage_over_data_lowers_memory_and_is_searched():

@@ -80,6 +80,7 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
   module = hlo_module.parse(compiled.as_text())
   cost = cost_model.step_cost(config, plan)
   found = hlo_collectives.collectives(module, num_devices)
+  fallback = _fallback(config, plan, trainer, state, target) if plan.caps_receive_buffers else None
   return Report({
       "config": {"target": target, "devices": num_devices, "hosts": num_hosts,
                  "mesh": dict(mesh.shape), "preset": config.mesh.preset,
@@ -99,7 +100,20 @@ def analyze(config: Config, target: str, num_devices: int, num_hosts: int = 1) -
       "overlap_fraction": hlo_collectives.overlap_fraction(found),
       "fused_kernels": _fused_kernels(cost),
       "loops_with_unknown_trip_count": module.unknown_trip_counts,
+      "dropless_fallback": fallback,
   }, compiled.as_text(), plan.table())
+
+
+def _fallback(config: Config, plan: ParallelPlan, trainer, state, target: str) -> dict[str, Any]:
+  """The compiled memory of the step a run with capped MoE receive buffers takes again where one overflows
+  (train_step.dropless_fallback: worst-case buffers), beside the cost model's: a run must fit both."""
+  fallback_config, fallback_plan = train_step.dropless_fallback(config, plan)
+  with deviceless.targeting(plan.mesh):
+    lowered = trainer.fallback_step.lower(state, train_step.abstract_batch(fallback_config, fallback_plan))
+  compiled = lowered.compile() if target == "cpu" else deviceless.compile_for_analysis(lowered)
+  return {"grad_accum_steps": fallback_config.train.grad_accum_steps,
+          "memory": _memory(compiled, cost_model.step_cost(fallback_config, fallback_plan), target,
+                            config.train.gpu_memory_fraction)}
 
 
 def _compiled_in(report: dict[str, Any]) -> str:
@@ -210,12 +224,21 @@ def format_table(report: dict[str, Any]) -> str:
   if report["loops_with_unknown_trip_count"]:
     lines.append(f"note: {report['loops_with_unknown_trip_count']} loop(s) without a known trip count were "
                  "counted once")
+  fallback = report.get("dropless_fallback")
+  if fallback:
+    fb = fallback["memory"]
+    lines.append(f"dropless fallback (worst-case MoE receive buffers, {fallback['grad_accum_steps']} micro-batches; "
+                 f"run where a capped buffer overflows): memory {gb(fb['peak_bytes_per_device']).strip()} compiled, "
+                 f"{gb(fb['cost_model']['total']).strip()} modelled")
   if mem["fits"] is None:
     lines.append("memory verdict: CPU target, no device memory limit")
   else:
-    verdict = "FITS" if mem["fits"] else "DOES NOT FIT"
+    fits = mem["fits"] and (not fallback or fallback["memory"]["fits"])
+    verdict = "FITS" if fits else "DOES NOT FIT"
     lines.append(f"memory verdict: {verdict}: peak {gb(mem['peak_bytes_per_device']).strip()} of the "
                  f"{gb(mem['usable_bytes']).strip()} the allocator holds per device "
                  f"({100 * mem['peak_bytes_per_device'] / mem['usable_bytes']:.0f}%; train.gpu_memory_fraction="
-                 f"{mem['gpu_memory_fraction']:g} of {gb(mem['device_bytes']).strip()})")
+                 f"{mem['gpu_memory_fraction']:g} of {gb(mem['device_bytes']).strip()})"
+                 + (f"; the dropless fallback's {gb(fallback['memory']['peak_bytes_per_device']).strip()} "
+                    f"{'fits' if fallback['memory']['fits'] else 'does NOT fit'}" if fallback else ""))
   return "\n".join(lines)

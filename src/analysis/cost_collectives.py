@@ -19,7 +19,8 @@ storage adds, per micro-batch, and the weights are gathered from the master once
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
 GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
-ep int32, expert_parallel.py), scalar loss reductions, and the gathers GSPMD adds around the
+ep int32, expert_parallel.py; capped receive buffers add one of ep x 2 per chunk, and a float32 max of their
+use over the devices per layer), scalar loss reductions, and the gathers GSPMD adds around the
 vocabulary-parallel logits of `tp_sp`.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -40,7 +42,7 @@ from meshmoe.sharding.projection_blocks import attention_weights, attention_widt
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-  op: str  # which parallel op (or "gradients") issues it
+  op: str  # which parallel op issues it ("<block>.projections" for a tensor-parallel block), or "gradients"
   kind: str  # HLO name (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute), or one of
   # cost_kernels.FUSED_KINDS for communication inside a fused kernel
   group_size: int
@@ -104,14 +106,14 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   costs: list[CollectiveCost] = []
   forward_repeats = 1 if m.remat == "none" else 2  # remat recomputes the forward, collectives included
 
-  def add(op, kind, axes, nbytes, forward: bool, link_bytes: float | None = None):
+  def add(op, kind, axes, nbytes, forward: bool, link_bytes: float | None = None, label: str | None = None):
     count = t.grad_accum_steps * (forward_repeats if forward else 1) * per_layer[op]
     group = lay.size(axes)
     if group > 1 and nbytes:
       # A fused kernel's bytes are its own accounting of what it moves; a collective's, its result size.
       moved = nbytes if kind in cost_kernels.FUSED_KINDS else moved_bytes(kind, group, nbytes)
       link = None if link_bytes is None else count * link_bytes
-      costs.append(CollectiveCost(op, kind, group, count * moved, tuple(axes), link))
+      costs.append(CollectiveCost(label or op, kind, group, count * moved, tuple(axes), link))
 
   num_moe = m.num_layers - m.num_dense_layers
   per_layer = {"attention": m.num_layers, "dense_mlp": m.num_dense_layers,
@@ -131,9 +133,10 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
       _projection(add, block.name, direction, plan.ops[f"{block.name}.{direction}"], gather, g, nbytes,
                   cost_kernels.projection_bytes(g, b_local * s_local, width, c))
     r = tuple(a for a in tp_axes if a not in gather)
-    if block.weight_out:
-      add(block.name, "all-reduce", r, residual, True)  # project_out's psum over axes that do not split tokens
-    add(block.name, "all-reduce", r, gathered, False)  # project_in's input gradient over the same axes
+    label = projection_label(block.name)
+    if block.weight_out:  # project_out's psum over axes that do not split tokens
+      add(block.name, "all-reduce", r, residual, True, label=label)
+    add(block.name, "all-reduce", r, gathered, False, label=label)  # project_in's input gradient over the same axes
   _attention(lay, add, c, micro)
   if num_moe:
     _moe(lay, add, c, residual)
@@ -143,10 +146,17 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   return costs
 
 
+def projection_label(block: str) -> str:
+  """The `op` of a tensor-parallel block's collectives: the block's name and ".projections" (attention's
+  block would otherwise share "attention" with the context-parallel attention's own collectives)."""
+  return f"{block}.projections"
+
+
 def _projection(add, block: str, direction: str, choice, axes, g: int, residual: int, kernel_bytes: float) -> None:
   """One direction of a tensor-parallel block, forward and backward (each kernel's or collective's
   transpose is the other direction's: all-gather <-> reduce-scatter)."""
   gathers = direction == "project_in"
+  add = functools.partial(add, label=projection_label(block))
   if cost_kernels.in_custom_calls(choice):  # the fused kernel, and its dual as the backward
     first, second = ("fused all-gather", "fused reduce-scatter")[::1 if gathers else -1]
     add(block, first, axes, kernel_bytes, True)
@@ -248,8 +258,11 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
   def row(wire_format: str) -> float:
     return exchange_formats.row_bytes(wire_format, d, m.dtype)
 
-  # [ep, S]: the receive buffer's rows, dropless worst case (expert_parallel.peer_slot)
-  slots = ep * expert_parallel.peer_slot(tokens, k, moe.num_experts // ep)
+  # [ep, S]: the padded exchange's slots, the dropless worst case (expert_parallel.peer_slot); the ragged
+  # one's receive buffer, that or capped (`parallel.moe_buffer_factor`; expert_parallel.receive_rows)
+  local_experts = moe.num_experts // ep
+  slots = ep * expert_parallel.peer_slot(tokens, k, local_experts)
+  received = expert_parallel.receive_rows(tokens, k, local_experts, ep, choice.buffer_factor)
   # Group sizes first, once per chunk of the pipeline (moe_pipeline.py); the chunks' token buffers add up
   # to the unchunked ones.
   for _ in range(moe_pipeline.num_chunks(int(tokens), choice.chunks)):
@@ -264,9 +277,9 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
     assignments = tokens * k
     ep_axes = lay.expert_axes
     sent = lambda wire_format: assignments * row(wire_format) * (ep - 1) / ep
-    add("moe", "ragged-all-to-all", ep_axes, slots * row(dispatch[0]), True, sent(dispatch[0]))  # [A] in, [ep*S] out
+    add("moe", "ragged-all-to-all", ep_axes, received * row(dispatch[0]), True, sent(dispatch[0]))  # [A] in, buffer out
     add("moe", "ragged-all-to-all", ep_axes, assignments * row(combine[0]), True, sent(combine[0]))  # into [A] rows
-    add("moe", "ragged-all-to-all", ep_axes, slots * row(combine[1]), False, sent(combine[1]))  # its transpose
+    add("moe", "ragged-all-to-all", ep_axes, received * row(combine[1]), False, sent(combine[1]))  # its transpose
     add("moe", "ragged-all-to-all", ep_axes, assignments * row(dispatch[1]), False, sent(dispatch[1]))
 
 

@@ -170,6 +170,16 @@ def _activation_bytes(config: Config, plan: ParallelPlan) -> float:
   return kept + (moe_transient if num_moe else 0.0) + _output_layer(config, plan)
 
 
+def moe_tokens_per_device(config: Config, plan: ParallelPlan) -> float:
+  """Tokens one device routes through an MoE layer per micro-batch: its share of the residual stream's,
+  gathered over the expert-width axes that also split the tokens (tp_sp); what the xla tier's MoE pipeline
+  cuts into `parallel.moe_chunks` chunks."""
+  t = config.train
+  micro = t.global_batch_size // t.grad_accum_steps
+  tokens = micro * t.seq_len / _shards(plan, plan.activation_spec(("act_batch", "act_seq")))
+  return tokens * plan.axis_size(plan.expert_layout().gather)
+
+
 def _float32_norm_copies(config: Config, plan: ParallelPlan, tokens: float) -> float:
   """Without remat, what the layers keep in float32 for their backward pass beside the compute-dtype
   intermediates: every RMSNorm (models/layers.py normalises in float32) its input and normalised value,
@@ -255,18 +265,21 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   gathered = tokens * plan.axis_size(experts.gather)
   buffers = 2 * (gathered - tokens) * d * c  # the gathered tokens and their gradient
   assignments = gathered * moe.top_k
-  rows = ep * expert_parallel.peer_slot(gathered, moe.top_k, local_experts)  # the receive buffer
+  # The receive buffer: the dropless worst case, or capped (`parallel.moe_buffer_factor`).
+  rows = expert_parallel.receive_rows(gathered, moe.top_k, local_experts, ep, choice.buffer_factor)
+  slots = ep * expert_parallel.peer_slot(gathered, moe.top_k, local_experts)  # the worst case's [ep, S]
   buffers += assignments * d * c * 2  # copied rows
   # The exchanges' buffers, with their cotangents: the receive buffer and the returned rows, [ep, S] padded
-  # slots on CPU, the assignments' [A] rows where ragged_all_to_all returns them (expert_parallel.py).
+  # slots on CPU (which moves them whole even where the buffer is capped, then copies the rows it keeps),
+  # the assignments' [A] rows where ragged_all_to_all returns them (expert_parallel.py).
   # Ragged exchanges' buffers live while one layer runs, not until the backward pass, whose exchanges move
   # cotangents and read neither (compiled deviceless, Mixtral-8x7B without remat keeps no layer's copy:
   # RESULTS.md); XLA:CPU keeps the padded ones of every layer (tests/test_cost_model.py).
   ragged = choice.exchange == "ragged_all_to_all"
-  returned = assignments if ragged else rows
-  exchange = 2 * (rows + returned) * d * c if ep > 1 else 0.0
+  returned = assignments if ragged else slots
+  exchange = 2 * ((rows if ragged else slots) + returned) * d * c if ep > 1 else 0.0
   if not ragged:
-    buffers, exchange = buffers + exchange, 0.0
+    buffers, exchange = buffers + exchange + (2 * rows * d * c if rows < slots else 0.0), 0.0
   if choice.implementation == "fused":
     # The tile plan's buffers: send and returned rows, received rows with their hidden units (and gate and
     # up unless the kernels recompute them); the backward's dispatched gradients [R, D + F] are transient,
@@ -290,7 +303,7 @@ def _moe_layer(config: Config, plan: ParallelPlan, tokens: float, residual: floa
   if choice.grouped_gemm == "blocked":
     # The blocks and overflow tiles (sharding/blocked_gemm.py) read the rows in place and keep gate and up
     # of every chunk's rows, by sorted position, plus one tile of slack; the output rows are [R, D].
-    kept_rows = sum(ep * expert_parallel.peer_slot(tokens, moe.top_k, local_experts)
+    kept_rows = sum(expert_parallel.receive_rows(tokens, moe.top_k, local_experts, ep, choice.buffer_factor)
                     + (choice.block_rows or blocked_gemm.DEFAULT_TILE_ROWS)
                     for tokens in moe_pipeline.chunk_sizes(int(gathered), choice.chunks))
     hidden = rows * d * c + 2 * kept_rows * width * c

@@ -178,8 +178,10 @@ def _expert_flops(config: Config, plan: ParallelPlan, worst_case: bool = False) 
   # Tokens this device routes: its share, gathered over the expert-width axes that also split tokens.
   assignments = micro * t.seq_len // token_split * plan.axis_size(lay.gather) * moe.top_k
   local_experts = moe.num_experts // lay.ep
-  # The receive buffer of a chunk of `tokens` tokens, dropless worst case (expert_parallel.peer_slot).
-  buffer_rows = lambda tokens: lay.ep * expert_parallel.peer_slot(tokens, moe.top_k, local_experts)
+  # The receive buffer of a chunk of `tokens` tokens: the dropless worst case, or capped
+  # (`parallel.moe_buffer_factor`; expert_parallel.receive_rows).
+  buffer_rows = lambda tokens: expert_parallel.receive_rows(tokens, moe.top_k, local_experts, lay.ep,
+                                                            choice.buffer_factor)
   rows = buffer_rows(assignments // moe.top_k)
   tile_rows = cost_kernels.tile_rows(choice)
   if cost_kernels.in_custom_calls(choice) and worst_case:

@@ -22,20 +22,21 @@ def header(found: planner.Search, gpus_per_node: int, efficiency: float) -> str:
       f"to {found.capacity_bytes / _GB:.1f} GB (train.gpu_memory_fraction less --memory_margin)",
       f"searched {found.evaluated} layouts: {invalid} refused by the config validation"
       + (f" ({reasons})" if reasons else "")
-      + "; of the rest, per (mesh, preset, experts, storage, optimizer, tier, remat) the fewest micro-batches "
-      "that fit: "
+      + "; of the rest, per (mesh, preset, experts, storage, optimizer, tier, buffers, remat) the fewest "
+      "micro-batches that fit: "
       f"{len(found.ranked) + found.equivalent} fit ({found.equivalent} of them predicted the same as a simpler "
       f"one ranked here), {'some' if found.too_big else 'none'} do not fit with any"]) + "\n"
 
 
 _COLUMNS = (f"{'rank':>4s} {'mesh d.e.t.s':>11s} {'preset':9s} {'experts':7s} {'storage':7s} {'optimizer':9s} "
-            f"{'tier':9s} {'µb':>4s}"
+            f"{'tier':9s} {'buffers':8s} {'µb':>4s}"
             f" {'remat':5s} {'memory':>9s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'exposed s':>9s}")
 
 
 def ranked_table(found: planner.Search, top: int) -> str:
-  lines = ["modelled (cost model + step_time; memory per device, step and exposed communication in seconds):",
-           _COLUMNS]
+  lines = ["modelled (cost model + step_time; memory per device, step and exposed communication in seconds; "
+           "buffers: the MoE receive buffers, 'worst' for the dropless worst case or f x balanced routing / the "
+           "micro-batches of the step that redoes an overflowing one):", _COLUMNS]
   for rank, candidate in enumerate(found.ranked[:top], 1):
     lines.append(_row(rank, candidate, found))
   measured = [rank for rank, c in enumerate(found.ranked[:top], 1) if c.time.gemm_rates]

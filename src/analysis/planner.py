@@ -3,7 +3,10 @@
 A layout is everything a user picks beside the model: the mesh axis sizes, the preset, the mesh axes of
 the MoE layers' experts (`mesh.expert_axes`: MoE parallel folding, `foldings`), where weights are stored
 (`mesh.weight_storage`), where the optimizer state is (`mesh.optimizer_storage`: the distributed
-optimizer), the tier, the number of micro-batches, remat, and (when allowed) the lossy compression options.
+optimizer), the tier, the MoE receive buffers (`parallel.moe_buffer_factor`: the dropless worst case, or
+capped with a dropless fallback step whose micro-batches are the fewest that fit its worst-case buffers),
+the number of micro-batches, remat, the xla tier's MoE pipeline depth (for the fastest candidates) and
+(when allowed) the lossy compression options.
 `search` enumerates the layouts the config validation accepts, builds each one's parallel plan on a
 deviceless mesh of the GPUs (the same plan a run and a compile use), rejects those whose modelled memory
 does not fit the allocator's share of the GPU (train.gpu_memory_fraction, runtime/gpu_memory.py, less a
@@ -58,6 +61,9 @@ class Layout:
   exchange_dtype: str = "auto"  # the MoE token exchanges' wire format, both ways and their gradients
   expert_axes: str = "preset"  # MoE parallel folding (`mesh.expert_axes`; the width axes stay "preset")
   optimizer_storage: str = "weights"  # the distributed optimizer (`mesh.optimizer_storage`)
+  moe_chunks: int = 2  # the xla tier's MoE pipeline (`parallel.moe_chunks`; ParallelConfig's default)
+  moe_buffer_factor: float = 0.0  # capped MoE receive buffers (`parallel.moe_buffer_factor`; 0: worst case)
+  fallback_accum_steps: int = 0  # their dropless fallback's micro-batches (0: grad_accum_steps)
 
   @classmethod
   def of(cls, config: Config, num_gpus: int) -> Layout:
@@ -66,7 +72,8 @@ class Layout:
     p = config.parallel
     return cls(tuple(sizes[a] for a in MESH_AXES), config.mesh.preset, config.mesh.weight_storage, p.impl,
                config.model.remat, config.train.grad_accum_steps, p.gradient_compression, p.moe_dispatch_dtype,
-               config.mesh.expert_axes, config.mesh.optimizer_storage)
+               config.mesh.expert_axes, config.mesh.optimizer_storage, p.moe_chunks, p.moe_buffer_factor,
+               p.moe_fallback_grad_accum_steps)
 
   def apply(self, config: Config) -> Config:
     """A copy of `config` with this layout."""
@@ -76,6 +83,9 @@ class Layout:
                              expert_width_axes=config.mesh.expert_width_axes,
                              optimizer_storage=self.optimizer_storage)
     config.parallel.impl = self.impl
+    config.parallel.moe_chunks = self.moe_chunks
+    config.parallel.moe_buffer_factor = self.moe_buffer_factor
+    config.parallel.moe_fallback_grad_accum_steps = self.fallback_accum_steps
     config.model.remat = self.remat
     config.train.grad_accum_steps = self.grad_accum_steps
     config.parallel.gradient_compression = self.gradient_compression
@@ -93,6 +103,12 @@ class Layout:
       flags.append(f"--config.mesh.expert_axes={self.expert_axes}")
     if self.optimizer_storage != "weights":
       flags.append(f"--config.mesh.optimizer_storage={self.optimizer_storage}")
+    if self.impl == "xla":
+      flags.append(f"--config.parallel.moe_chunks={self.moe_chunks}")
+    if self.moe_buffer_factor:
+      flags.append(f"--config.parallel.moe_buffer_factor={self.moe_buffer_factor:g}")
+      if self.fallback_accum_steps:
+        flags.append(f"--config.parallel.moe_fallback_grad_accum_steps={self.fallback_accum_steps}")
     if self.gradient_compression != "none":
       flags.append(f"--config.parallel.gradient_compression={self.gradient_compression}")
     if self.exchange_dtype != "auto":
@@ -104,8 +120,11 @@ class Layout:
     mesh = "x".join(map(str, self.mesh))
     extra = "".join(f" {v}" for v in (self.gradient_compression, self.exchange_dtype) if v not in ("none", "auto"))
     experts = "preset" if self.expert_axes == "preset" else ".".join(a[0] for a in self.expert_axes.split(","))
+    tier = f"{self.impl} {self.moe_chunks}ch" if self.impl == "xla" else self.impl
+    buffers = (f"{self.moe_buffer_factor:g}x/{self.fallback_accum_steps or self.grad_accum_steps}"
+               if self.moe_buffer_factor else "worst")
     return (f"{mesh:>11s} {self.preset:9s} {experts:7s} {self.weight_storage:7s} {self.optimizer_storage:9s} "
-            f"{self.impl:9s} "
+            f"{tier:9s} {buffers:8s} "
             f"{self.grad_accum_steps:4d} {self.remat:5s}{extra}")
 
 
@@ -166,10 +185,11 @@ def layouts(config: Config, num_gpus: int, gpus_per_node: int, allow_compression
     for mesh in mesh_shapes(config, num_gpus, gpus_per_node, preset):
       for storage, experts, optimizer in itertools.product(_storages(preset, mesh), foldings(config, preset, mesh),
                                                            _optimizer_storages(mesh)):
-        for impl, remat, (compression, exchange) in itertools.product(
-            tiers, remats, _compressions(config, allow_compression, optimizer)):
-          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange, experts, optimizer)
-                      for a in accums)
+        for impl, remat, (compression, exchange), factor in itertools.product(
+            tiers, remats, _compressions(config, allow_compression, optimizer),
+            _buffer_factors(config, preset, mesh, experts)):
+          yield tuple(Layout(mesh, preset, storage, impl, remat, a, compression, exchange, experts, optimizer,
+                             config.parallel.moe_chunks, factor) for a in accums)
 
 
 def foldings(config: Config, preset: str, mesh: tuple[int, ...]) -> list[str]:
@@ -189,6 +209,27 @@ def foldings(config: Config, preset: str, mesh: tuple[int, ...]) -> list[str]:
       if config.model.moe.num_experts % math.prod(sizes[a] for a in axes) == 0:
         found.append(",".join(axes))
   return found
+
+
+# The capped MoE receive buffers the planner tries where the config asks for none: twice the rows of
+# balanced routing, MaxText's default ragged buffer factor (where it drops what overflows; here an
+# overflowing step runs again with worst-case buffers, a cost the step-time model leaves out).
+PLANNED_BUFFER_FACTOR = 2.0
+
+
+def _buffer_factors(config: Config, preset: str, mesh: tuple[int, ...], experts: str) -> list[float]:
+  """`parallel.moe_buffer_factor`s to try: worst-case buffers, and capped ones (the config's factor, else
+  PLANNED_BUFFER_FACTOR) where they hold fewer rows than the worst case: f x K < ep x min(K, E/ep)."""
+  moe = config.model.moe
+  if config.model.num_layers == config.model.num_dense_layers:
+    return [0.0]
+  sizes = dict(zip(MESH_AXES, mesh))
+  axes = rules.get_preset(preset).params.get("exp", ()) if experts == "preset" else experts.split(",")
+  ep = math.prod(sizes[a] for a in axes)
+  factor = config.parallel.moe_buffer_factor or PLANNED_BUFFER_FACTOR
+  if ep <= 1 or moe.num_experts % ep or factor * moe.top_k >= ep * min(moe.top_k, moe.num_experts // ep):
+    return [0.0]
+  return [0.0, factor]
 
 
 def _storages(preset: str, mesh: tuple[int, ...]) -> list[str]:
@@ -230,16 +271,31 @@ def search(config: Config, num_gpus: int, gpu: GpuSpec, gpus_per_node: int | Non
   # model leaves out.
   capacity = gpu_memory.usable_bytes(gpu.memory_bytes, config.train.gpu_memory_fraction) * (1 - memory_margin)
   ranked, too_big, invalid, evaluated = [], [], collections.Counter(), 0
+  dropless_fit = None  # the fewest micro-batches the previous worst-case group fits with (None: none)
   with _quiet_fallbacks():  # the plans of a tier whose kernels cannot run say so once each; the table shows it
     for group in layouts(config, num_gpus, gpus_per_node, allow_compression, **choices):
       evaluated += len(group)
       candidate = _fewest_micro_batches(config, group, devices, capacity, gpu, efficiency, invalid)
+      if not group[0].moe_buffer_factor:
+        dropless_fit = candidate.layout.grad_accum_steps if candidate is not None and candidate.fits else None
+      elif candidate is not None and candidate.fits:
+        # Capped buffers: their fallback is the worst-case twin just judged (`layouts` yields it first), in the
+        # fewest micro-batches that fit it, and no fewer than the capped step's.
+        if dropless_fit is None:
+          invalid["parallel.moe_fallback_grad_accum_steps"] += 1
+          continue
+        accum = max(dropless_fit, candidate.layout.grad_accum_steps)
+        fallback = 0 if accum == candidate.layout.grad_accum_steps else accum
+        candidate = dataclasses.replace(candidate, layout=dataclasses.replace(candidate.layout,
+                                                                              fallback_accum_steps=fallback))
       if candidate is None:
         continue
       (ranked if candidate.fits else too_big).append(candidate)
       if stop_at_first_fit and candidate.fits:
         break
   ranked.sort(key=lambda c: c.time.step_s)  # stable: of equal predictions the first enumerated stays first
+  if not stop_at_first_fit:
+    ranked = _with_moe_chunks(config, ranked, devices, capacity, gpu, efficiency)
   too_big.sort(key=lambda c: c.memory_bytes)
   distinct = _distinct(ranked)
   return Search(gpu, num_gpus, capacity, config.train.global_batch_size * config.train.seq_len, distinct, invalid,
@@ -280,6 +336,44 @@ def _fewest_micro_batches(config, group, devices, capacity, gpu, efficiency, inv
     low, high = (low, middle) if fits(middle) else (middle + 1, high)
   memory, layout_config, plan = judged(high)
   return Candidate.of(group[high], memory, True, step_time.predict(layout_config, plan, gpu, efficiency))
+
+
+# The xla tier's MoE pipeline depths the planner tries (parallel.moe_chunks), and the fewest tokens a chunk
+# keeps per device: the step-time model times neither collective latency nor a GEMM's loss of efficiency
+# on few rows, so without a floor it would always pick the most chunks.
+MOE_CHUNKS = (1, 2, 4, 8)
+MIN_CHUNK_TOKENS = 1024
+# How many of the fastest candidates get their MoE pipeline depth searched: the depth changes neither
+# FLOPs nor the memory model's figure, only how much of the exchanges hides, so it reorders the front of
+# the ranking, not which layouts fit.
+_CHUNK_SEARCH_TOP = 32
+
+
+def _with_moe_chunks(config, ranked, devices, capacity, gpu, efficiency) -> list[Candidate]:
+  """`ranked` with each of its fastest xla-tier candidates whose MoE exchanges tokens tried at every depth of
+  MOE_CHUNKS that leaves a chunk MIN_CHUNK_TOKENS tokens per device (a candidate's own depth is the
+  config's), fastest first."""
+  tried, found = set(), list(ranked)
+  for candidate in ranked[:_CHUNK_SEARCH_TOP]:
+    layout = candidate.layout
+    if layout.impl != "xla":
+      continue
+    for chunks in MOE_CHUNKS:
+      variant = dataclasses.replace(layout, moe_chunks=chunks)
+      if chunks == layout.moe_chunks or variant in tried:
+        continue
+      tried.add(variant)
+      variant_config = variant.apply(config)
+      plan = build_plan(variant_config, devices)
+      choice = plan.ops.get("moe")
+      if choice is None or choice.implementation != "all_to_all" or choice.chunks != chunks:
+        break  # no pipelined exchange: the depth changes nothing
+      if cost_memory.moe_tokens_per_device(variant_config, plan) / chunks < MIN_CHUNK_TOKENS:
+        continue
+      memory = cost_memory.memory_per_device(variant_config, plan)
+      if memory.total <= capacity:
+        found.append(Candidate.of(variant, memory, True, step_time.predict(variant_config, plan, gpu, efficiency)))
+  return sorted(found, key=lambda c: c.time.step_s)
 
 
 @contextlib.contextmanager
@@ -324,10 +418,17 @@ def evaluate(config: Config, layout: Layout, found: Search, gpus_per_node: int |
              efficiency: float = 0.5) -> Candidate:
   """One given layout judged as `search` judged its candidates (ConfigError where it is invalid)."""
   layout_config = layout.apply(config)
-  plan = build_plan(layout_config, gpu_devices(found.gpu, found.num_gpus, gpus_per_node or found.gpu.gpus_per_node))
+  devices = gpu_devices(found.gpu, found.num_gpus, gpus_per_node or found.gpu.gpus_per_node)
+  plan = build_plan(layout_config, devices)
   memory = cost_memory.memory_per_device(layout_config, plan)
   if memory.total > found.capacity_bytes:
     return Candidate.of(layout, memory, False)
+  if plan.caps_receive_buffers:  # its dropless fallback must fit too
+    fallback = dataclasses.replace(layout, moe_buffer_factor=0.0, fallback_accum_steps=0,
+                                   grad_accum_steps=layout.fallback_accum_steps or layout.grad_accum_steps)
+    fallback_config = fallback.apply(config)
+    if cost_memory.memory_per_device(fallback_config, build_plan(fallback_config, devices)).total > found.capacity_bytes:
+      return Candidate.of(layout, memory, False)
   return Candidate.of(layout, memory, True, step_time.predict(layout_config, plan, found.gpu, efficiency))
 
 

@@ -170,8 +170,9 @@ def hidden_fraction(plan: ParallelPlan, collective: CollectiveCost) -> float:
       return 1.0
     chunks = getattr(plan.ops["moe"], "chunks", 1)
     return (chunks - 1) / chunks
-  if f"{collective.op}.project_in" in plan.ops:  # a tensor-parallel block: its ring passes hide
-    rings = [plan.ops.get(f"{collective.op}.{d}") for d in ("project_in", "project_out")]
+  if collective.op.endswith(".projections"):  # a tensor-parallel block: its ring passes hide
+    block = collective.op.removesuffix(".projections")
+    rings = [plan.ops.get(f"{block}.{d}") for d in ("project_in", "project_out")]
     ring = any(r is not None and r.implementation == "ring" for r in rings)
     return 1.0 if ring and collective.kind == "collective-permute" else 0.0
   return 0.0

@@ -18,6 +18,7 @@ Everything here is built from the run's parallel plan (meshmoe.sharding.plan): t
 the steps activate while they trace the model, so every parallel op runs as the plan says.
 """
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,10 @@ class Trainer:
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_step: Callable[[Any, Any, dict], dict]
   state_shardings: Any
+  # Where the plan caps the MoE receive buffers: the same step with worst-case buffers, in
+  # parallel.moe_fallback_grad_accum_steps micro-batches, for the steps whose routing overflowed one
+  # (`dropless_fallback`); None otherwise.
+  fallback_step: Callable[[TrainState, dict], tuple[TrainState, dict]] | None = None
 
 
 def create(config: Config, plan: ParallelPlan, variables: tuple[Any, Any] | None = None
@@ -109,7 +114,26 @@ def _trainer(graphdef, optimizer, config: Config, plan: ParallelPlan, state: Tra
   shardings = jax.tree.map(lambda x: x.sharding, state)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.train.steps)
   train = _make_train_step(graphdef, optimizer, schedule, config, plan, shardings)
-  return Trainer(graphdef, optimizer, schedule, train, _make_eval_step(graphdef, config, plan), shardings)
+  fallback, eval_plan = None, plan
+  if plan.caps_receive_buffers:
+    fallback_config, eval_plan = dropless_fallback(config, plan)
+    fallback = _make_train_step(graphdef, optimizer, schedule, fallback_config, eval_plan, shardings)
+  # Evaluation takes no step back, so it always receives into worst-case buffers.
+  return Trainer(graphdef, optimizer, schedule, train, _make_eval_step(graphdef, config, eval_plan), shardings,
+                 fallback)
+
+
+def dropless_fallback(config: Config, plan: ParallelPlan) -> tuple[Config, ParallelPlan]:
+  """The config and plan of the step a run with capped MoE receive buffers (`plan.caps_receive_buffers`)
+  runs again where one overflowed: worst-case buffers, in parallel.moe_fallback_grad_accum_steps
+  micro-batches (0: the run's). The same function of the batch as the capped step's, up to float rounding,
+  but for balance losses over a micro-batch (MoEConfig.balance_loss "batch", "global_batch"), which then see
+  the fallback's micro-batches."""
+  fallback = copy.deepcopy(config)
+  fallback.parallel.moe_buffer_factor = 0.0
+  fallback.train.grad_accum_steps = config.parallel.moe_fallback_grad_accum_steps or config.train.grad_accum_steps
+  fallback.validate()
+  return fallback, ParallelPlan.build(fallback, plan.mesh)
 
 
 def process_rows(config: Config, plan: ParallelPlan) -> range:
@@ -221,6 +245,12 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
     grad_sq_norms = nonfinite.squared_norms(grads, stacked)
     grad_norm = jnp.sqrt(sum(jnp.sum(x) for x in grad_sq_norms))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A capped MoE receive buffer that overflowed left rows out: the step is not taken (its state, step
+    # count and key stay as they were), and the loop runs it again with worst-case buffers
+    # (parallel.moe_buffer_factor; `fallback_step`).
+    buffer_use = jnp.max(terms["buffer_use"], axis=0)
+    overflowed = jnp.any(buffer_use > 1.0)
+    taken = finite & ~overflowed
 
     expert_load = jnp.sum(terms["expert_load"], axis=0)
 
@@ -232,9 +262,10 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
       _, _, others = nnx.split(model, nnx.Param, ...)
       return params, others, opt_state
 
-    kept = nonfinite.guard(finite, update, (state.params, state.others, state.opt_state))
-    grad_residual = jax.tree.map(lambda new, old: jnp.where(finite, new, old), grad_residual, state.grad_residual)
-    new_state = TrainState(state.step + 1, *kept, jax.random.split(state.rng)[0], grad_residual)
+    kept = nonfinite.guard(taken, update, (state.params, state.others, state.opt_state))
+    grad_residual = jax.tree.map(lambda new, old: jnp.where(taken, new, old), grad_residual, state.grad_residual)
+    new_state = TrainState(jnp.where(overflowed, state.step, state.step + 1), *kept,
+                           jnp.where(overflowed, state.rng, jax.random.split(state.rng)[0]), grad_residual)
     metrics = {
         "loss": loss, "cross_entropy": jnp.sum(terms["ce_sum"]) / jnp.maximum(total_tokens, 1.0),
         "aux_loss": jnp.mean(terms["aux_loss"]), "z_loss": jnp.mean(terms["z_loss"]),
@@ -242,6 +273,7 @@ def _make_train_step(graphdef, optimizer, schedule, config: Config, plan: Parall
         "learning_rate": schedule(optimizer_lib.applied_updates(state.opt_state)),  # what this update used
         "expert_load": expert_load, "dropped_fraction": jnp.mean(terms["dropped_fraction"], axis=0),
         "tokens": total_tokens, "finite": finite, "grad_sq_norms": grad_sq_norms,
+        "moe_buffer_use": buffer_use, "overflowed": overflowed,
     }
     return new_state, metrics
 

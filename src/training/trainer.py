@@ -121,7 +121,8 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     distributed.barrier("meshmoe: steps compiled")
 
   loop = _Loop(config, workdir, step_fn, eval_fn, data, eval_batches, checkpointer, plan, step_delay_s,
-               nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps))
+               nonfinite.Monitor(config.resilience, config.model, state.params, skipped_steps),
+               trainer.fallback_step)
   with resilience.Watchdog(config.resilience.watchdog_timeout_s, jax.process_index()) as watchdog:
     try:
       state, preempted_at = loop.run(state, first_step, watchdog)
@@ -156,10 +157,12 @@ class _Loop:
 
   def __init__(self, config: Config, workdir: pathlib.Path, step_fn, eval_fn, data, eval_batches,
                checkpointer: Checkpointer, plan: ParallelPlan, step_delay_s: float,
-               nonfinite_monitor: nonfinite.Monitor):
+               nonfinite_monitor: nonfinite.Monitor, fallback_step=None):
     self.config, self.workdir, self.step_fn, self.eval_fn = config, workdir, step_fn, eval_fn
     self.data, self.eval_batches, self.checkpointer, self.plan = data, eval_batches, checkpointer, plan
     self.step_delay_s, self.nonfinite = step_delay_s, nonfinite_monitor
+    # The dropless fallback (train_step.dropless_fallback), compiled when a step first needs it.
+    self._fallback_step, self._fallback_fn, self.fallback_steps = fallback_step, None, 0
     self.stragglers = stragglers.Monitor(config.resilience, jax.process_count(), jax.process_index())
     self.timelines = device_timeline.Sampler(config.resilience)
     if self.timelines.every and step_fn is not None:  # which of the step's instructions are collectives
@@ -205,6 +208,8 @@ class _Loop:
           self.timelines.start()
           traced_from = time.perf_counter()
         state, metrics = self.step_fn(state, batch)
+        if self._fallback_step is not None and bool(metrics["overflowed"]):  # waits for the step
+          state, metrics = self._run_fallback(done, state, batch, metrics, watchdog)
         if sampled:
           watchdog.beat(f"device timeline of step {done}")
           jax.block_until_ready(state)
@@ -223,6 +228,7 @@ class _Loop:
           step_time = (time.perf_counter() - last_log_time) / (done - last_log_step)
           logger.log_train(done, _train_record(metrics, step_time, tokens_per_step, flops_per_step, peak)
                            | {"skipped_steps": self.nonfinite.skipped_steps}
+                           | self._buffer_record(metrics)
                            | {f"tokens/{name}": n for name, n in self.data.train.source_token_counts().items()})
           if not sampled:
             self._step_s = step_time
@@ -254,6 +260,36 @@ class _Loop:
         watchdog.beat("evaluation")
         self.eval_loss = evaluate_sources(self.eval_fn, state, self.eval_batches, self.data.weights)["loss"]
     return state, None
+
+  def _run_fallback(self, step: int, state, batch, capped_metrics: dict, watchdog: resilience.Watchdog):
+    """Step `step` again (`state` is as it started: the capped step was not taken) with worst-case MoE
+    receive buffers; its metrics keep the capped attempt's buffer use."""
+    use = np.asarray(capped_metrics["moe_buffer_use"])
+    if self._fallback_fn is None:
+      watchdog.beat(None)  # compiling: not watched
+      started = time.perf_counter()
+      self._fallback_fn = self._fallback_step.lower(state, train_step.abstract_batch(self.config, self.plan)).compile()
+      if jax.process_count() > 1:
+        distributed.barrier("meshmoe: dropless fallback compiled")
+      compiled = f"; its step compiled in {time.perf_counter() - started:.1f}s"
+    else:
+      compiled = ""
+    self.fallback_steps += 1
+    if jax.process_index() == 0:
+      p = self.config.parallel
+      print(f"warning: step {step}: routing sent MoE layer {int(np.argmax(use))}'s fullest receive buffer "
+            f"{float(use.max()):.2f}x the rows it holds (parallel.moe_buffer_factor={p.moe_buffer_factor:g}): "
+            f"the step runs again with worst-case buffers (the dropless fallback, "
+            f"{self.fallback_steps} so far){compiled}", flush=True)
+    watchdog.beat(f"train step {step}, the dropless fallback")
+    state, metrics = self._fallback_fn(state, batch)
+    return state, {**metrics, "moe_buffer_use": capped_metrics["moe_buffer_use"]}
+
+  def _buffer_record(self, metrics: dict) -> dict:
+    """The capped MoE receive buffers' fullest use per layer and the fallback steps (with capped buffers)."""
+    if self._fallback_step is None:
+      return {}
+    return {"moe_buffer_use": np.asarray(metrics["moe_buffer_use"]).tolist(), "moe_fallback_steps": self.fallback_steps}
 
   def _judge_timelines(self, step: int, traced_s: float, local: list[device_timeline.DeviceTimeline],
                        logger) -> None:
