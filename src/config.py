@@ -28,8 +28,8 @@ from meshmoe.config_parallel import (ATTENTION_KERNELS, ATTENTION_KINDS, EXCHANG
                                      OPTIMIZER_STORAGES, SWIGLU_GRADIENTS, WEIGHT_STORAGES, XLA_FLAG_PRESETS,
                                      MeshConfig, ParallelConfig, check_weight_storage, gemm_kernel_overrides,
                                      mesh_axes_choice, resolve_mesh_sizes, validate_mesh)
-from meshmoe.config_run import (DATA_SOURCES, LR_DECAY_SHAPES, LR_SCHEDULES, NAN_POLICIES, OPTIMIZERS,
-                                CheckpointConfig,
+from meshmoe.config_run import (DATA_SOURCES, LR_DECAY_SHAPES, LR_SCHEDULES, MOMENTS_DTYPES, NAN_POLICIES,
+                                OPTIMIZERS, CheckpointConfig,
                                 DataConfig, OptimizerConfig, ResilienceConfig, SampleConfig, TrainConfig,
                                 mixture_entries, profile_range,
                                 validate_checkpoint_and_sample, validate_data, validate_optimizer,
@@ -48,7 +48,7 @@ __all__ = [
     "ATTENTION_KINDS", "ATTENTION_KERNELS", "XLA_FLAG_PRESETS", "GROUPED_GEMMS", "GEMM_FORMS", "GEMM_IMPLEMENTATIONS",
     "EXCHANGE_FORMATS", "EXCHANGE_FORMAT_FIELDS", "LAYER_SCHEDULES", "SWIGLU_GRADIENTS", "GRADIENT_COMPRESSIONS",
     "DTYPES", "SCORE_FNS", "ATTENTION_TYPES", "REMAT_POLICIES", "DATA_SOURCES", "NAN_POLICIES",
-    "LR_SCHEDULES", "LR_DECAY_SHAPES", "OPTIMIZERS", "BALANCE_LOSSES",
+    "LR_SCHEDULES", "LR_DECAY_SHAPES", "OPTIMIZERS", "MOMENTS_DTYPES", "BALANCE_LOSSES",
 ]
 
 

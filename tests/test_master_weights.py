@@ -135,7 +135,7 @@ def _two_step_run(config, tmp_path=None, resume_from=None):
   else:
     state, _ = trainer.train_step(state, batches[0])
     if tmp_path is not None:
-      checkpointer = Checkpointer(tmp_path, CheckpointConfig(), config.optimizer.name)
+      checkpointer = Checkpointer(tmp_path, CheckpointConfig(), config.optimizer.name, config.optimizer.moments_dtype)
       checkpointer.save(1, state, {"next_index": 1})
       checkpointer.wait()
       checkpointer.close()

@@ -22,7 +22,7 @@ from meshmoe.training import train_step
 from meshmoe.training.checkpointing import Checkpointer
 from tests.model_steps import initial_variables, plan_for
 from tests.test_master_weights import _two_step_run
-from tests.tolerances import FP32_MODEL_RTOL, FP32_MODULE_RTOL, assert_close
+from tests.tolerances import BF16_ROUNDING_RTOL, FP32_MODEL_RTOL, FP32_MODULE_RTOL, assert_close
 
 STEPS = 3  # updates per check: the moments' second and third updates use what the first left
 TOTAL_STEPS = 10
@@ -236,3 +236,103 @@ def test_bad_optimizer_settings_are_one_config_error_each():
     bad = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, **{field: value}))
     with pytest.raises(ConfigError, match=f"optimizer.{field}=.*{allowed}"):
       bad.validate(8)
+
+
+def _adamw_rounding_moments(cfg, flat_params: dict, flat_grads: list[dict]) -> tuple[dict, dict, dict]:
+  """(parameters, first and second moments) after AdamW's updates written out in NumPy (float32), the moments
+  rounded to bfloat16 after each (optimizer.moments_dtype); every update computes with the unrounded new
+  moments, as optax does, and no clipping."""
+  import ml_dtypes
+
+  schedule = optimizer_lib.learning_rate_schedule(cfg, TOTAL_STEPS)
+  b1, b2, eps = np.float32(cfg.b1), np.float32(cfg.b2), np.float32(cfg.eps)
+  params = {p: v.copy() for p, v in flat_params.items()}
+  mu = {p: np.zeros_like(v) for p, v in params.items()}
+  nu = {p: np.zeros_like(v) for p, v in params.items()}
+  for t, grads in enumerate(flat_grads, 1):
+    rate = np.float32(schedule(t - 1))
+    for path, g in grads.items():
+      m = b1 * mu[path] + (1 - b1) * g
+      v = b2 * nu[path] + (1 - b2) * g * g
+      update = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+      if DECAYS.get(path.split("/")[-1], True):
+        update = update + np.float32(cfg.weight_decay) * params[path]
+      params[path] = params[path] - rate * update
+      mu[path], nu[path] = (x.astype(ml_dtypes.bfloat16).astype(np.float32) for x in (m, v))
+  return params, mu, nu
+
+
+def test_bfloat16_moments_are_adamw_with_its_moments_rounded_each_update():
+  """optimizer.moments_dtype="bfloat16" (DeepSeek-V3's recipe): three AdamW updates of tiny_moe's parameters
+  equal AdamW written out here with its moments rounded to bfloat16 after each update; the state holds them
+  in bfloat16, the cost model counts 2 bytes each (half of float32's), and it differs from float32 moments."""
+  config = _config("adamw")
+  config.optimizer = dataclasses.replace(config.optimizer, grad_clip_norm=0.0, moments_dtype="bfloat16")
+  params = nnx.state(Transformer(config.model, rngs=nnx.Rngs(0)), nnx.Param)
+  results = {}
+  for dtype in ("bfloat16", "float32"):
+    cfg = dataclasses.replace(config.optimizer, moments_dtype=dtype)
+    optimizer = optimizer_lib.make_optimizer(cfg, TOTAL_STEPS, params)
+    state, new_params, grads_seen = optimizer.init(params), params, []
+    for step in range(STEPS):
+      grads = _gradients(params, step)
+      grads_seen.append(_flat_arrays(grads))
+      updates, state = jax.jit(optimizer.update)(grads, state, new_params)
+      new_params = optax.apply_updates(new_params, updates)
+    results[dtype] = state, _flat_arrays(new_params)
+  state, got = results["bfloat16"]
+  before = _flat_arrays(params)
+  want, mu, nu = _adamw_rounding_moments(config.optimizer, before, grads_seen)
+  for path in want:
+    assert_close(got[path] - before[path], want[path] - before[path], BF16_ROUNDING_RTOL, path)
+  adam = state[0]  # optax.adamw's ScaleByAdamState
+  for name, moments in (("mu", adam.mu), ("nu", adam.nu)):
+    flat = _flat_arrays(moments)
+    assert {x.dtype for x in jax.tree.leaves(moments)} == {jnp.dtype(jnp.bfloat16)}
+    reference = mu if name == "mu" else nu
+    for path in want:
+      assert_close(flat[path], reference[path], BF16_ROUNDING_RTOL, f"{name} {path}")
+    # Rounded alike but for the rare value that float32 arithmetic in another order puts across a boundary.
+    differing = sum(int(np.sum(flat[p] != reference[p])) for p in want)
+    assert differing <= 1e-3 * sum(v.size for v in reference.values()), (name, differing)
+  assert any(not np.allclose(got[p], results["float32"][1][p], rtol=0, atol=0) for p in got)
+  plan = plan_for(config, jax.devices()[:1])
+  bf16 = cost_memory.memory_per_device(config, plan).optimizer
+  config.optimizer = dataclasses.replace(config.optimizer, moments_dtype="float32")
+  assert bf16 == pytest.approx(cost_memory.memory_per_device(config, plan).optimizer / 2)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_bfloat16_moments_are_placed_counted_and_resumed_bit_for_bit(tmp_path, name):
+  """On tp_sp with the distributed optimizer, the bfloat16 statistics lie where float32 ones would and the
+  cost model counts the state to the byte (`_sharded_updates`); a run resumes bit for bit, and a
+  checkpoint of float32 statistics is one ConfigError for it, before anything is read."""
+  config = _config(name)
+  config.optimizer = dataclasses.replace(config.optimizer, moments_dtype="bfloat16")
+  config.mesh = MeshConfig(data=2, expert=2, tensor=2, preset="tp_sp", weight_storage="all", optimizer_storage="all")
+  _sharded_updates(config, jax.devices())
+  config.mesh = MeshConfig(data=2, expert=4, preset="ep")
+  uninterrupted = _two_step_run(config, tmp_path=tmp_path)
+  checkpointer = Checkpointer(tmp_path, CheckpointConfig(), name, "bfloat16")
+  loss, params = _two_step_run(config, resume_from=checkpointer)
+  checkpointer.close()
+  assert loss == uninterrupted[0]
+  for path, value in uninterrupted[1].items():
+    np.testing.assert_array_equal(params[path], value, err_msg=path)
+  mismatched = Checkpointer(tmp_path, CheckpointConfig(), name, "float32")
+  with pytest.raises(ConfigError, match="optimizer.moments_dtype='float32'.*'bfloat16', the dtype checkpoint 1"):
+    mismatched.restore_latest(None)
+  mismatched.close()
+
+
+def test_bfloat16_moments_refuse_averages_too_slow_for_bfloat16():
+  config = _config("adamw")
+  for name, field, value in [("adamw", "b2", 0.999), ("lion", "b2", 0.995), ("muon", "muon_beta", 0.999)]:
+    bad = dataclasses.replace(config, optimizer=dataclasses.replace(
+        config.optimizer, name=name, moments_dtype="bfloat16", **{field: value}))
+    with pytest.raises(ConfigError, match=rf"optimizer.{field}={value}.*at most 0.99 with optimizer.moments_dtype"):
+      bad.validate(8)
+  bad = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, name="adafactor",
+                                                                  moments_dtype="bfloat16"))
+  with pytest.raises(ConfigError, match="optimizer.moments_dtype='bfloat16'.*'float32' with adafactor"):
+    bad.validate(8)

@@ -4,7 +4,8 @@
   preset (parameters and gradients by the parameter rules, the optimizer's statistics by the optimizer
   rules: ZeRO-1 and FSDP split them, data parallelism replicates them; AdamW keeps two per element, Muon
   one for its matrices, Lion one, Adafactor a row and a column for a factored weight: their shapes read
-  from optax's own state, training/optimizer.statistic_shapes). All float32; with gradient accumulation
+  from optax's own state, training/optimizer.statistic_shapes). All float32 (the statistics in
+  `optimizer.moments_dtype`); with gradient accumulation
   the gradients twice (the running sum and the current micro-batch's). Counted with the optimizer state:
   the error-feedback residual of a compressed gradient sum (one float32 copy of the device's expert weights;
   the per-replica copies of the weights themselves are views of the parameters, and their gradient takes
@@ -112,20 +113,22 @@ _PARAMETERS: dict[str, tuple[list, list, list]] = {}
 
 
 def _statistics_bytes(config: Config, plan: ParallelPlan, shapes, names) -> float:
-  """The optimizer's float32 statistics on one device, each placed as optimizer.statistic_spec says beside
-  its parameter's optimizer placement (their shapes read from optax's state once per model and optimizer)."""
+  """The optimizer's statistics on one device (float32, or `optimizer.moments_dtype`), each placed as
+  optimizer.statistic_spec says beside its parameter's optimizer placement (their shapes read from optax's
+  state once per model and optimizer)."""
   key = repr((config.model, config.optimizer))
   if key not in _STATISTICS:
     abstract = nnx.eval_shape(lambda: Transformer(config.model, rngs=nnx.Rngs(0)))
     if len(_STATISTICS) > 16:
       _STATISTICS.clear()
     _STATISTICS[key] = optimizer_lib.statistic_shapes(config.optimizer, nnx.state(abstract, nnx.Param))
+  itemsize = jnp.dtype(config.optimizer.moments_dtype).itemsize  # every statistic is kept in it
   total = 0.0
   for shape, n, statistics in zip(shapes, names, _STATISTICS[key]):
     spec = plan.optimizer_spec(n)
     for statistic in statistics:
       placed = optimizer_lib.statistic_spec(spec, shape, statistic)
-      total += 4 * math.prod(statistic) / (1 if placed is None else _shards(plan, placed))
+      total += itemsize * math.prod(statistic) / (1 if placed is None else _shards(plan, placed))
   return total
 
 

@@ -5,7 +5,8 @@ pytree (restored straight into the shardings of the current mesh, so a run can r
 layout); `data` is the JSON state of the training data iterator, so a resumed run sees exactly the batches it
 would have seen; `run_state` holds the count of skipped non-finite steps and a fingerprint of every array
 of `state` and the name of the optimizer whose state it holds (`optimizer.name`; checkpoints without one were
-written by AdamW, the only optimizer then): a run with another optimizer is refused with one ConfigError
+written by AdamW, the only optimizer then) and the dtype of its statistics (`optimizer.moments_dtype`;
+float32 where none is recorded): a run with another optimizer or dtype is refused with one ConfigError
 before anything is read. The newest `checkpoint.keep` checkpoints are kept. Every process calls save and restore; orbax
 coordinates them.
 
@@ -66,8 +67,10 @@ class Restored:
 
 class Checkpointer:
 
-  def __init__(self, workdir: str | pathlib.Path, cfg: CheckpointConfig, optimizer: str = "adamw"):
+  def __init__(self, workdir: str | pathlib.Path, cfg: CheckpointConfig, optimizer: str = "adamw",
+               moments_dtype: str = "float32"):
     self.optimizer = optimizer  # the name of the optimizer whose state this run saves and restores
+    self.moments_dtype = moments_dtype  # the dtype its statistics are kept in (optimizer.moments_dtype)
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     self.unusable_directory = self.directory.parent / "checkpoints_unusable"
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
@@ -80,7 +83,8 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict, skipped_steps: int = 0) -> None:
     """Starts saving (returns before the write finishes when async); `wait` blocks until it is on disk."""
     core, grad_residual = _without_grad_residual(state)
-    run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state), "optimizer": self.optimizer}
+    run_state = {"skipped_steps": skipped_steps, "fingerprints": fingerprints(state), "optimizer": self.optimizer,
+                 "moments_dtype": self.moments_dtype}
     items = dict(state=ocp.args.StandardSave(core), data=ocp.args.JsonSave(data_state),
                  run_state=ocp.args.JsonSave(run_state))
     if grad_residual is not None:
@@ -137,11 +141,18 @@ class Checkpointer:
       run_state = self._manager.restore(step, args=ocp.args.Composite(run_state=ocp.args.JsonRestore())).run_state
     except Exception:  # noqa: BLE001 - reported by _read with the rest of the checkpoint
       return
-    saved = run_state.get("optimizer", "adamw") if isinstance(run_state, dict) else None
-    if saved is not None and saved != self.optimizer:
+    if not isinstance(run_state, dict):
+      return
+    saved = run_state.get("optimizer", "adamw")
+    if saved != self.optimizer:
       raise ConfigError("optimizer.name", self.optimizer,
                         f"{saved!r}, the optimizer whose state checkpoint {step} in {self.directory} holds (one "
                         "optimizer's state cannot become another's: resume with it, or start a new workdir)")
+    saved = run_state.get("moments_dtype", "float32")
+    if saved != self.moments_dtype:
+      raise ConfigError("optimizer.moments_dtype", self.moments_dtype,
+                        f"{saved!r}, the dtype checkpoint {step} in {self.directory} holds its optimizer statistics "
+                        "in (resume with it, or start a new workdir)")
 
   def _read(self, step: int, target_state: Any) -> tuple[Restored | None, str | None]:
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -25,7 +25,7 @@ def to_run_checkpoint(config: Config, folder: pathlib.Path, workdir: pathlib.Pat
   data position of step 0. The workdir must hold no checkpoint yet."""
   config = dataclasses.replace(config, train=dataclasses.replace(config.train, init_from=f"hf:{folder}"))
   config = hf_checkpoint.with_checkpoint_model(config).validate(jax.device_count())
-  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name)
+  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name, config.optimizer.moments_dtype)
   try:
     if checkpointer.latest_step() is not None:
       raise hf_checkpoint.CheckpointError(f"{workdir} holds checkpoints already (newest: step "
@@ -51,7 +51,7 @@ def to_hf_folder(workdir: pathlib.Path, folder: pathlib.Path, dtype: str) -> int
   config = from_dict(Config, json.loads(saved.read_text())).validate(jax.device_count())
   plan = ParallelPlan.build(config, make_mesh(config.mesh))
   _, abstract = train_step.create_abstract(config, plan)
-  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name)
+  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name, config.optimizer.moments_dtype)
   try:
     restored = checkpointer.restore_latest(abstract)
     if restored is None:

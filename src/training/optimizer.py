@@ -1,7 +1,8 @@
 """The optimizer: global-norm clipping, then `optimizer.name`'s rule (optax's own: nothing here writes an
 update rule) with a learning-rate schedule and a weight-decay mask (`make_optimizer`).
 
-Parameters and optimizer state are float32 (the model keeps float32 parameters, cast in each layer). Weight
+Parameters and optimizer state are float32 (the model keeps float32 parameters, cast in each layer), the
+statistics bfloat16 where `optimizer.moments_dtype` says so (`statistics_stored_in`). Weight
 decay, times the learning rate for every rule, applies to matrices; norms, biases and embeddings only when
 the config says so (`parameter_kind`). Which weights Muon updates, as which matrices: `muon_dimension_numbers`.
 
@@ -132,9 +133,32 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, params: Any) -> optax
                            weight_decay_mask=decay_mask)
   else:
     rule = optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+  if cfg.moments_dtype != "float32":
+    rule = statistics_stored_in(rule, jnp.dtype(cfg.moments_dtype), params)
   if cfg.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), rule)
   return rule
+
+
+def statistics_stored_in(rule: optax.GradientTransformation, dtype, params: Any) -> optax.GradientTransformation:
+  """`rule` with its statistics of the parameters (`parameter_of`: moments, momentum; not its counts or
+  Muon's coefficients) kept in `dtype` between updates: each update widens them to float32, runs `rule`,
+  and rounds the new ones to nearest (`optimizer.moments_dtype`)."""
+  owner = parameter_of(params)
+
+  def cast(state, to):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(to) if owner(path) is not None and jnp.issubdtype(x.dtype, jnp.floating) else x,
+        state)
+
+  def init(params):
+    return cast(rule.init(params), dtype)
+
+  def update(updates, state, params=None, **extra):
+    updates, state = rule.update(updates, cast(state, jnp.float32), params, **extra)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def parameter_of(params: Any):

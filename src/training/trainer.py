@@ -74,7 +74,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, step_delay_s: float = 
     if (memory := gpu_memory.describe(config.train.gpu_memory_fraction)) is not None:
       print(memory, flush=True)
   data = data_lib.build_data(config, train_step.process_rows(config, plan), log=print if is_primary else _quiet)
-  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name)
+  checkpointer = Checkpointer(workdir, config.checkpoint, config.optimizer.name, config.optimizer.moments_dtype)
   variables = None
   if config.train.init_from and checkpointer.latest_step() is None:
     load_start, loaded = time.perf_counter(), {}
