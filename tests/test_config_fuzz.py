@@ -90,7 +90,7 @@ CHOICES = {"model.attention": config_lib.ATTENTION_TYPES, "model.dtype": config_
            **{f"parallel.{name}": config_lib.EXCHANGE_FORMATS for name in config_lib.EXCHANGE_FORMAT_FIELDS},
            "data.source": config_lib.DATA_SOURCES, "resilience.nan_policy": config_lib.NAN_POLICIES,
            "optimizer.schedule": config_lib.LR_SCHEDULES, "optimizer.decay_shape": config_lib.LR_DECAY_SHAPES,
-           "optimizer.name": config_lib.OPTIMIZERS,
+           "optimizer.name": config_lib.OPTIMIZERS, "optimizer.moments_dtype": config_lib.MOMENTS_DTYPES,
            "model.moe.balance_loss": config_lib.BALANCE_LOSSES}
 BOOLS = ["model.tie_embeddings", "model.qk_norm", "model.rope_interleave", "model.moe.normalize_top_k", "model.moe.expert_bias", "optimizer.decay_norms",
          "optimizer.decay_biases", "optimizer.decay_embeddings", "data.packing", "data.document_mask", "checkpoint.async_save",

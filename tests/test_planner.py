@@ -285,10 +285,11 @@ def test_every_tensor_parallel_ring_hides_and_gathered_attention_does_not():
 
 def test_the_moe_pipeline_depth_is_searched_where_chunks_keep_enough_tokens(monkeypatch):
   """megascale 4x4 on 16 H100s, 2 to a node (the exchanges over `expert` cross the network), routes 1024
-  tokens per device: with a floor of 256 tokens per chunk the xla tier's MoE pipeline is tried at 1, 2 and
-  4 chunks (8 would leave 128), each depth hiding more of the exchanges ((c-1)/c) at the same memory. This
-  step is bound by communication (hidden traffic outlasts compute), so the depth leaves it as long."""
-  monkeypatch.setattr(planner, "MIN_CHUNK_TOKENS", 256)
+  tokens per device, top-2 to its 2 experts of 8: 1024 rows per expert. With a floor of 256 rows per expert
+  per chunk the xla tier's MoE pipeline is tried at 1, 2 and 4 chunks (8 would leave 128), each depth hiding
+  more of the exchanges ((c-1)/c) at the same memory. This step is bound by communication (hidden traffic
+  outlasts compute), so the depth leaves it as long."""
+  monkeypatch.setattr(planner, "MIN_CHUNK_ROWS_PER_EXPERT", 256)
   layout = planner.Layout((4, 4, 1, 1), "megascale", "preset", "xla", "none", 1)
   found = planner.search(_model(), 16, H100, gpus_per_node=2, presets=("megascale",), tiers=("xla",),
                          remats=("none",))

@@ -338,11 +338,12 @@ def _fewest_micro_batches(config, group, devices, capacity, gpu, efficiency, inv
   return Candidate.of(group[high], memory, True, step_time.predict(layout_config, plan, gpu, efficiency))
 
 
-# The xla tier's MoE pipeline depths the planner tries (parallel.moe_chunks), and the fewest tokens a chunk
-# keeps per device: the step-time model times neither collective latency nor a GEMM's loss of efficiency
-# on few rows, so without a floor it would always pick the most chunks.
+# The xla tier's MoE pipeline depths the planner tries (parallel.moe_chunks), and the fewest rows a chunk
+# gives each of a device's experts under balanced routing: the step-time model times neither collective
+# latency nor a GEMM's loss of efficiency on few rows, so without a floor it would always pick the most
+# chunks. 1024 rows per expert is what the kernel table's rows measured (sharding/gpu_kernel_table.json).
 MOE_CHUNKS = (1, 2, 4, 8)
-MIN_CHUNK_TOKENS = 1024
+MIN_CHUNK_ROWS_PER_EXPERT = 1024
 # How many of the fastest candidates get their MoE pipeline depth searched: the depth changes neither
 # FLOPs nor the memory model's figure, only how much of the exchanges hides, so it reorders the front of
 # the ranking, not which layouts fit.
@@ -351,8 +352,8 @@ _CHUNK_SEARCH_TOP = 32
 
 def _with_moe_chunks(config, ranked, devices, capacity, gpu, efficiency) -> list[Candidate]:
   """`ranked` with each of its fastest xla-tier candidates whose MoE exchanges tokens tried at every depth of
-  MOE_CHUNKS that leaves a chunk MIN_CHUNK_TOKENS tokens per device (a candidate's own depth is the
-  config's), fastest first."""
+  MOE_CHUNKS that leaves a chunk MIN_CHUNK_ROWS_PER_EXPERT rows per local expert (a candidate's own depth
+  is the config's), fastest first."""
   tried, found = set(), list(ranked)
   for candidate in ranked[:_CHUNK_SEARCH_TOP]:
     layout = candidate.layout
@@ -368,7 +369,9 @@ def _with_moe_chunks(config, ranked, devices, capacity, gpu, efficiency) -> list
       choice = plan.ops.get("moe")
       if choice is None or choice.implementation != "all_to_all" or choice.chunks != chunks:
         break  # no pipelined exchange: the depth changes nothing
-      if cost_memory.moe_tokens_per_device(variant_config, plan) / chunks < MIN_CHUNK_TOKENS:
+      moe = config.model.moe
+      rows = cost_memory.moe_tokens_per_device(variant_config, plan) * moe.top_k * plan.expert_layout().ep / moe.num_experts
+      if rows / chunks < MIN_CHUNK_ROWS_PER_EXPERT:
         continue
       memory = cost_memory.memory_per_device(variant_config, plan)
       if memory.total <= capacity:
