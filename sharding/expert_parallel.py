@@ -310,13 +310,16 @@ def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.A
   slot = peer_slot(num_tokens, k, local_experts)
   rows = receive_rows(num_tokens, k, local_experts, ep, buffer_factor)
   if rows < ep * slot:
-    moves, peer_R, row_R = _capped_moves(peer_A, rank_A, send_P, recv_P, rows, slot, axes, ep)
+    moves, local_expert_R = _capped_moves(peer_A, rank_A, send_P, recv_P, recv_PE, rows, slot, axes, ep)
     report(jnp.sum(recv_P).astype(jnp.float32) / rows)
   else:
     me = jax.lax.axis_index(axes)
     moves = _Moves(peer_A, rank_A, send_P, recv_P, jnp.arange(ep, dtype=jnp.int32) * slot, recv_P,
                    jnp.full((ep,), me * slot, jnp.int32), send_P, None)
-    peer_R, row_R = jnp.arange(ep * slot) // slot, jnp.arange(ep * slot) % slot
+    # Each slot row's local expert: its place in the slot against that peer's cumulative counts.
+    cumulative_PE = jnp.cumsum(recv_PE, axis=1)
+    row_S = jnp.arange(slot)
+    local_expert_R = jax.vmap(lambda c: jnp.searchsorted(c, row_S, side="right"))(cumulative_PE).reshape(-1)
   sent_AD = x_TD[token_A[order_A]]
   to_experts = functools.partial(exchange.to_experts, slot=slot, rows=rows, axes=axes, ep=ep)
   if exchange_formats.is_plain(*formats):
@@ -325,26 +328,26 @@ def _send(x_TD, experts_TK, weights_TK, *, exchange: _Exchange, axes: parallel.A
     received_RD = exchange_formats.move_rows(
         exchange_formats.Movers(to_experts, functools.partial(exchange.to_senders, slot=slot, axes=axes, ep=ep)),
         exchange_formats.Trip(*formats, sent_AD.dtype, sent_AD.dtype), sent_AD, moves)
-  # Each row's local expert: its place among its peer's rows against that peer's cumulative counts.
-  cumulative_PE = jnp.cumsum(recv_PE, axis=1)
-  peer = jnp.minimum(peer_R, ep - 1)
-  local_expert_R = jax.vmap(lambda c, r: jnp.searchsorted(c, r, side="right"))(cumulative_PE[peer], row_R)
-  local_expert_R = jnp.where(peer_R < ep, local_expert_R, local_experts)
   return received_RD, _Route(local_expert_R, order_A, moves, weights_TK)
 
 
-def _capped_moves(peer_A, rank_A, send_P, recv_P, rows: int, slot: int, axes, ep: int):
-  """(_Moves of a capped buffer of `rows` rows, each row's peer (ep: padding), its place among that peer's
-  rows): the peers' rows one after another in peer order, those past the end left out. Each sender learns
-  where its rows start in each receiver and how many fit (an all_to_all of ep x 2 int32)."""
+def _capped_moves(peer_A, rank_A, send_P, recv_P, recv_PE, rows: int, slot: int, axes, ep: int):
+  """(_Moves of a capped buffer of `rows` rows, each row's local expert (E/ep: padding)): the peers' rows one
+  after another in peer order, each peer's by my local expert, those past the end left out. Each sender
+  learns where its rows start in each receiver and how many fit (an all_to_all of ep x 2 int32)."""
+  local_experts = recv_PE.shape[1]
   offset_P = (jnp.cumsum(recv_P) - recv_P).astype(jnp.int32)
   kept_P = jnp.clip(rows - offset_P, 0, recv_P).astype(jnp.int32)
   told = jax.lax.all_to_all(jnp.stack([offset_P, kept_P], axis=1), axes, 0, 0)
   row = jnp.arange(rows)
-  peer_R = jnp.searchsorted(jnp.cumsum(recv_P), row, side="right")  # ep past the last peer's rows
-  row_R = row - offset_P[jnp.minimum(peer_R, ep - 1)]
-  slot_R = jnp.where(peer_R < ep, peer_R * slot + row_R, ep * slot)
-  return _Moves(peer_A, rank_A, send_P, recv_P, offset_P, kept_P, told[:, 0], told[:, 1], slot_R), peer_R, row_R
+  # Row r's (peer, local expert) pair, in the buffer's order: where r falls among the pairs' cumulative
+  # counts (ep x E/ep of them, past the last one for padding rows).
+  pair_R = jnp.searchsorted(jnp.cumsum(recv_PE.reshape(-1)), row, side="right")
+  real = pair_R < ep * local_experts
+  peer_R = jnp.minimum(pair_R // local_experts, ep - 1)
+  slot_R = jnp.where(real, peer_R * slot + row - offset_P[peer_R], ep * slot)
+  local_expert_R = jnp.where(real, pair_R % local_experts, local_experts)
+  return _Moves(peer_A, rank_A, send_P, recv_P, offset_P, kept_P, told[:, 0], told[:, 1], slot_R), local_expert_R
 
 
 def _compute(received_RD, route: _Route, *, w: ExpertWeights, activation: Activation,

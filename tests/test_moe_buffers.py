@@ -30,7 +30,7 @@ from tests.model_steps import initial_variables, plan_for, synthetic_batch
 from tests.test_expert_parallel import (K, _emulated_ragged_all_to_all, _inputs, _sharded, assert_matches,
                                         local_moe, output_and_grads)
 from tests.test_model_sharded import small_config
-from tests.tolerances import FP32_MODEL_RTOL, assert_close
+from tests.tolerances import FP32_MODEL_RTOL, FP32_MODULE_RTOL, assert_close
 
 # (mesh sizes, preset): the buffers are capped where f x T x K rows are fewer than the worst case,
 # ep x T x min(K, E/ep): ep 8 and 4 with one and two local experts, megascale's ep 4 (expert x sequence).
@@ -101,6 +101,32 @@ def test_an_overflowing_buffer_reports_a_use_above_one(sizes, preset):
   assert float(use) == pytest.approx(_reference_use(plan, experts, 2.0)) and float(use) > 1
   # Rows were left out: the output is wrong, which is why the train step redoes such a step.
   assert not np.allclose(np.asarray(y), np.asarray(local_moe(x, experts, weights, w)), atol=1e-3)
+
+
+@pytest.mark.parametrize("exchange", ["padded", "ragged"])
+def test_an_overflowing_buffer_keeps_its_first_rows_and_returns_zeros_for_the_rest(exchange, monkeypatch):
+  """ep over 8 (device d holds expert d and batch row d), 70% of the first choices to expert 0: device 0's
+  buffer of 2x the balanced rows keeps the first rows in peer order (each peer's in its own order) and the
+  rest never come back. The op then equals the one-device op with exactly those assignments dropped,
+  counted here from the routing: nothing is written past a buffer's end, nothing read back from there."""
+  if exchange == "ragged":
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    monkeypatch.setitem(expert_parallel._EXCHANGES, "padded_all_to_all",
+                        expert_parallel._EXCHANGES["ragged_all_to_all"])
+  x, experts, weights, w = _inputs("uneven")
+  fn, place, _ = _capped_op((1, 8, 1, 1), "ep", 2.0)
+  y, use = jax.jit(fn)(*place(x, experts, weights, w))
+  held = expert_parallel.receive_rows(8, K, 1, 8, 2.0)
+  routed = np.asarray(experts)  # [B = sender device, S, K]
+  kept = routed.copy()
+  for expert in range(8):  # the receiver's rows: senders in order, each sender's assignments in order
+    rows = [(b, s, k) for b in range(routed.shape[0]) for s, k in np.ndindex(routed.shape[1:])
+            if routed[b, s, k] == expert]
+    for b, s, k in rows[held:]:
+      kept[b, s, k] = 8  # left out: as if dropped
+  assert float(use) > 1 and (kept != routed).any()
+  want = local_moe(x, jnp.asarray(kept), weights, w)
+  assert_close(y, want, FP32_MODULE_RTOL, "output of the kept rows")
 
 
 def test_worst_case_buffers_report_no_use_and_add_no_collective():
