@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshmoe.config import MeshConfig, ParallelConfig
+from meshmoe.config import ConfigError, MeshConfig, ParallelConfig
 from meshmoe.models.layers import swiglu_hidden
 from meshmoe.sharding import expert_parallel
 from meshmoe.sharding.plan import ParallelPlan
@@ -216,3 +216,13 @@ def test_a_run_redoes_every_overflowing_step_and_ends_as_the_dropless_run(tmp_pa
   assert runs.records(capped) == runs.records(dropless)
   runs.assert_bitwise_equal(runs.checkpoint_arrays(capped, 4), runs.checkpoint_arrays(dropless, 4))
   assert "receive buffers for 1x balanced routing" in (capped / "plan.json").read_text()
+
+
+def test_a_fallback_the_layout_cannot_split_is_one_config_error_before_anything_compiles():
+  """4 fallback micro-batches of 4 sequences cannot split over ep's 8 devices: building the steps refuses
+  it, naming the fallback's field (not the batch size it was checked through)."""
+  config = _step_config(2.0)
+  config.parallel.moe_fallback_grad_accum_steps = 4
+  with pytest.raises(ConfigError, match=r"parallel.moe_fallback_grad_accum_steps=4 is invalid: micro-batches "
+                                        r"this layout can split the batch into \(.*a multiple of 8"):
+    train_step.create(config, plan_for(config))

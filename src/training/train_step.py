@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from meshmoe.config import Config
+from meshmoe.config import Config, ConfigError
 from meshmoe.models.decoder import combine_loss_terms, global_batch_balance_loss, lm_loss_terms
 from meshmoe.runtime import nonfinite
 from meshmoe.sharding.plan import ParallelPlan
@@ -132,8 +132,11 @@ def dropless_fallback(config: Config, plan: ParallelPlan) -> tuple[Config, Paral
   fallback = copy.deepcopy(config)
   fallback.parallel.moe_buffer_factor = 0.0
   fallback.train.grad_accum_steps = config.parallel.moe_fallback_grad_accum_steps or config.train.grad_accum_steps
-  fallback.validate()
-  return fallback, ParallelPlan.build(fallback, plan.mesh)
+  try:
+    return fallback.validate(), ParallelPlan.build(fallback, plan.mesh)
+  except ConfigError as error:  # the one field that made it: the fallback's micro-batches
+    raise ConfigError("parallel.moe_fallback_grad_accum_steps", config.parallel.moe_fallback_grad_accum_steps,
+                      f"micro-batches this layout can split the batch into ({error})") from None
 
 
 def process_rows(config: Config, plan: ParallelPlan) -> range:
