@@ -15,7 +15,7 @@ platform or the quality of the GPU code, never results.)
   weight gradient on its own); dropped rows give exact zeros and get exact-zero gradients; the program
   really runs Mosaic GPU kernels; each form's chosen kernel at every shipped config's expert widths, on
   uneven groups (an empty one, a one-row one), against a float32 padded reference; and the MoE op the
-  model calls (expert_parallel.moe_ffn) under a one-GPU plan, inside its shard_map;
+  model calls (expert_parallel.moe_ffn, through moe_ffn_and_buffer_use) under a one-GPU plan, inside its shard_map;
 - (b) causal GQA attention by the plan's GPU kernel (tokamax's flash attention, sharding/attention_kernels.py)
   in bfloat16, forward and dq/dk/dv, against context_parallel.causal_attention (the einsum path) in
   float32: the whole-sequence call, the blocked kinds (allgather, ring, zigzag ring: the kernel's block

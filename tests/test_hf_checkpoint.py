@@ -56,7 +56,7 @@ def _logits_and_experts(model, plan, tokens, monkeypatch) -> tuple[np.ndarray, n
   """The model's logits and every MoE layer's chosen experts per token ([layers, B*S, K], sorted), in
   sequence order whatever order the plan's attention wants."""
   chosen = []
-  original = expert_parallel.moe_ffn
+  original = expert_parallel.moe_ffn_and_buffer_use  # what the MoE block calls
 
   def recording(x, experts_BSK, *args):
     # Every MoE layer's choice, whole: the layer scan is a sequential loop, so the calls come in layer order
@@ -64,7 +64,7 @@ def _logits_and_experts(model, plan, tokens, monkeypatch) -> tuple[np.ndarray, n
     jax.debug.callback(lambda e: chosen.append(np.asarray(e)), experts_BSK)
     return original(x, experts_BSK, *args)
 
-  monkeypatch.setattr(expert_parallel, "moe_ffn", recording)
+  monkeypatch.setattr(expert_parallel, "moe_ffn_and_buffer_use", recording)
   tokens = jax.device_put(jnp.asarray(tokens), plan.batch_sharding())
   with use_plan(plan):
     permuted, _, _, positions = model_state.in_sequence_order(plan, tokens, tokens, jnp.ones(tokens.shape))

@@ -17,7 +17,7 @@ Parameters (meshmoe.analysis.cost_model.active_params): 46,702,792,704 total and
 in Mixtral is missing from meshmoe. Model FLOPs of a training step (cost_model.train_step_flops at
 seq_len 4096): 79.7 GFLOP per token.
 
-Compiled for 64 H100s as set here (deviceless, 2026-11-29; experiments/benchmarks/RESULTS.md), the step
+Compiled for 64 H100s as set here (deviceless, 2026-12-01; experiments/benchmarks/RESULTS.md), the step
 peaks at 68.7 GB per device (the cost model says 66.6 GB), 90% of the 76.45 GB JAX's allocator holds at
 train.gpu_memory_fraction=0.9.
 
