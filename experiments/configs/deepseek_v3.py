@@ -7,8 +7,8 @@
 (`experiments.aot` compiles the real train step for that cluster without GPUs and reports memory, FLOPs and
 communication; `experiments.plan` ranks every layout; tests/test_configs.py validates and shape-checks this
 file.) This config does not train on CPU (2.7 TB of float32 parameters). On 256 H100s its step compiles to
-67.6 GB per device of 84.9, and its dropless fallback step (see "mesh" below) to 61.2 GB (2026-12-01,
-deviceless, 329 s to compile both; the cost model says 72.4 and 64.9 GB).
+66.7 GB per device of 84.9, and its dropless fallback step (see "mesh" below) to 65.6 GB (2026-12-03,
+deviceless, 305 s to compile both; the cost model says 72.2 and 70.7 GB).
 
 Model: 61 decoder layers, d_model 7168; the first 3 layers dense (SwiGLU of width 18432), the other 58 MoE
 blocks of 256 routed SwiGLU experts of width 2048 plus 1 shared expert of the same width. Routing: sigmoid
@@ -35,31 +35,32 @@ from its 4 best of 8 groups of 32 (`num_groups`, `top_k_groups`). The 58 x 256 s
 ExpertBias variables, not parameters, and are not counted.
 
 Choices:
-- mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`, 2026-12-01): preset
-  "tp_sp" with tensor=8 (within a node: attention's heads), expert=16, data=-1 (2 at 256 devices), the
-  routed experts folded over expert x tensor (mesh.expert_axes, MoE parallel folding): 128-way expert
-  parallelism, two whole experts per device per layer, each held by the 2 data replicas and never
-  gathered. The other weights' storage is split over every axis (mesh.weight_storage="all": each layer's
-  attention and dense weights are all-gathered as the step uses them), in bfloat16, and the float32 master
-  weights and Adam moments over every axis too (mesh.optimizer_storage="all", the distributed optimizer,
-  ZeRO-1 as DeepSeek trained). The xla tier, the MoE exchange in 4 pipelined chunks, 48 micro-batches of
-  320 sequences. The token exchange's receive buffers hold 2x the rows of balanced routing instead of the
-  worst case, 16x that (parallel.moe_buffer_factor=2, sharding/expert_parallel.py "Receive buffers"): a
-  step whose routing overflows one runs again with worst-case buffers in 480 micro-batches, which fit
-  (parallel.moe_fallback_grad_accum_steps). The planner predicts 23.9% MFU (260.7 s per step; modelled: the
-  routed experts' GEMMs at the kernel table's rates measured at this expert shape, the rest at its stated
-  50% GEMM efficiency; the fallback's cost, one step computed twice per overflow, is left out). Before:
-  14.3% (434 s: worst-case buffers forced 480 micro-batches, whose per-micro-batch gathers and sums
-  outlasted compute), 7.5% before the distributed optimizer, 3.6% before folding. What is left: the step is
-  bound by communication (216 s hidden beside 212 s of compute, 46 s exposed), most of it the 128-way token
-  exchange (184 s, over the network at 50 GB/s per GPU), which the remat'd forward runs a second time.
-  DeepSeek itself also used 16-way pipeline parallelism and node-limited dispatch that sends a token once
-  per node (DeepEP); meshmoe has neither, and sends each of a token's 8 assignments.
+- mesh: the planner's best layout on 256 H100s (`python -m experiments.plan --gpus=256`, 2026-12-03): preset
+  "tp_sp" with tensor=8 (within a node: attention's heads), expert=2, data=-1 (16 at 256 devices), the
+  routed experts folded over every axis, data x expert x tensor (mesh.expert_axes, MoE parallel folding):
+  256-way expert parallelism, one whole expert per device per layer, held by no other device and never
+  gathered. The other weights where the preset puts them (mesh.weight_storage="preset": attention and the
+  dense and shared-expert MLPs split over `tensor`, replicated over the 32 data x expert devices), in
+  bfloat16, and the float32 master weights and Adam moments over every axis (mesh.optimizer_storage="all",
+  the distributed optimizer, ZeRO-1 as DeepSeek trained). The xla tier, the MoE exchange in 8 pipelined
+  chunks, 80 micro-batches of 192 sequences. The token exchange's receive buffers hold 2x the rows of
+  balanced routing instead of the worst case, 16x that (parallel.moe_buffer_factor=2,
+  sharding/expert_parallel.py "Receive buffers"): a step whose routing overflows one runs again with
+  worst-case buffers in 480 micro-batches, which fit (parallel.moe_fallback_grad_accum_steps). The planner
+  predicts 26.2% MFU (237.7 s per step; modelled: the routed experts' GEMMs at the kernel table's rates
+  measured at this expert shape, the rest at its stated 50% GEMM efficiency; the fallback's cost, one step
+  computed twice per overflow, is left out). Before: 23.9% with the experts over expert x tensor (128-way,
+  the other weights gathered per micro-batch), 14.3% with worst-case buffers, 7.5% before the distributed
+  optimizer, 3.6% before folding. What is left: compute (214 s) and the communication beside it (211 s)
+  are even, and 24 s are exposed, the last chunks' token exchange; the 256-way token exchange is 190 s of
+  it (over the network at 50 GB/s per GPU), which the remat'd forward runs a second time. DeepSeek itself
+  also used 16-way pipeline parallelism and node-limited dispatch that sends a token once per node
+  (DeepEP); meshmoe has neither, and sends each of a token's 8 assignments.
 - remat "full": memory is what binds; "dots" would also keep each layer's MLA projections (24576-wide
   queries, 32768-wide key/value up-projection) and shared-expert GEMMs (~60K values per token per layer
   beside the 7168-wide input), and the routed expert GEMMs are recomputed under either policy.
 - train: the paper's final batch, 15360 sequences of 4096 tokens (62.9M tokens; the paper ramps it up
-  from 3072 over the first 469B tokens, not modelled) in 48 micro-batches of 320 (see "mesh"). steps:
+  from 3072 over the first 469B tokens, not modelled) in 80 micro-batches of 192 (see "mesh"). steps:
   14.8T tokens / 62.9M = 235K.
 - optimizer: the paper's AdamW, betas (0.9, 0.95), weight decay 0.1, clip 1.0, peak lr 2.2e-4 after 2000
   warmup steps, down to 2.2e-5 (ratio 0.1), its two moments kept in bfloat16 as the paper keeps them
@@ -87,13 +88,13 @@ def get_config() -> Config:
               num_groups=8, top_k_groups=4,
               aux_loss_weight=1e-4, balance_loss="sequence", z_loss_weight=0.0, capacity_factor=None),
       ),
-      mesh=MeshConfig(data=-1, expert=16, tensor=8, sequence=1, preset="tp_sp", weight_storage="all",
-                      expert_axes="expert,tensor", optimizer_storage="all"),
-      parallel=ParallelConfig(impl="xla", moe_chunks=4, moe_buffer_factor=2.0, moe_fallback_grad_accum_steps=480),
+      mesh=MeshConfig(data=-1, expert=2, tensor=8, sequence=1, preset="tp_sp", weight_storage="preset",
+                      expert_axes="data,expert,tensor", optimizer_storage="all"),
+      parallel=ParallelConfig(impl="xla", moe_chunks=8, moe_buffer_factor=2.0, moe_fallback_grad_accum_steps=480),
       optimizer=OptimizerConfig(learning_rate=2.2e-4, warmup_steps=2000, schedule="wsd", decay_fraction=0.29,
                                 decay_shape="cosine", min_learning_rate_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
                                 weight_decay=0.1, grad_clip_norm=1.0, moments_dtype="bfloat16"),
-      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=48,
+      train=TrainConfig(steps=235_000, global_batch_size=15360, seq_len=4096, grad_accum_steps=80,
                         log_every=10, eval_every=1000),
       checkpoint=CheckpointConfig(every_steps=1000),
   )
