@@ -52,7 +52,7 @@ Choices:
   computed twice per overflow, is left out). Before: 23.9% with the experts over expert x tensor (128-way,
   the other weights gathered per micro-batch), 14.3% with worst-case buffers, 7.5% before the distributed
   optimizer, 3.6% before folding. What is left: compute (214 s) and the communication beside it (211 s)
-  are even, and 24 s are exposed, the last chunks' token exchange; the 256-way token exchange is 190 s of
+  are even, and 24 s are exposed, the token exchange the pipeline does not hide; the exchange is 190 s of
   it (over the network at 50 GB/s per GPU), which the remat'd forward runs a second time. DeepSeek itself
   also used 16-way pipeline parallelism and node-limited dispatch that sends a token once per node
   (DeepEP); meshmoe has neither, and sends each of a token's 8 assignments.
