@@ -47,11 +47,11 @@ Choices:
   balanced routing instead of the worst case, 16x that (parallel.moe_buffer_factor=2,
   sharding/expert_parallel.py "Receive buffers"): a step whose routing overflows one runs again with
   worst-case buffers in 480 micro-batches, which fit (parallel.moe_fallback_grad_accum_steps). The planner
-  predicts 26.2% MFU (237.7 s per step; modelled: the routed experts' GEMMs at the kernel table's rates
+  predicts 26.3% MFU (236.6 s per step; modelled: the routed experts' GEMMs at the kernel table's rates
   measured at this expert shape, the rest at its stated 50% GEMM efficiency; the fallback's cost, one step
   computed twice per overflow, is left out). Before: 23.9% with the experts over expert x tensor (128-way,
   the other weights gathered per micro-batch), 14.3% with worst-case buffers, 7.5% before the distributed
-  optimizer, 3.6% before folding. What is left: compute (214 s) and the communication beside it (211 s)
+  optimizer, 3.6% before folding. What is left: compute (213 s) and the communication beside it (210 s)
   are even, and 24 s are exposed, the token exchange the pipeline does not hide; the exchange is 190 s of
   it (over the network at 50 GB/s per GPU), which the remat'd forward runs a second time. DeepSeek itself
   also used 16-way pipeline parallelism and node-limited dispatch that sends a token once per node

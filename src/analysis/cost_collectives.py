@@ -15,13 +15,14 @@ norms) are handled by GSPMD the same way. Where the plan compresses the routed e
 replicas (sharding/gradient_sync.py), it is an all-to-all and an all-gather (or a bfloat16 all-reduce)
 per weight and micro-batch for all layers, after the layer loop. Under a distributed optimizer
 (`mesh.optimizer_storage`) the sum lands in the optimizer's slices: a reduce-scatter over the axes its
-storage adds, per micro-batch, and the weights are gathered from the master once per step.
+storage adds, per micro-batch (the router's too, and on GPUs the untied output table's where its vocabulary
+is split over token axes: `_output_table_gradient`), and the weights are gathered from the master once per
+step.
 
 Not modelled (small, and listed so nobody hunts for them): int32 routing and position arrays moved by
-GSPMD for the zigzag permutation and capacity priority, the ragged exchanges' row offsets (all-to-alls of
-ep int32, expert_parallel.py; capped receive buffers add one of ep x 2 per chunk, and a float32 max of their
-use over the devices per layer), scalar loss reductions, and the gathers GSPMD adds around the
-vocabulary-parallel logits of `tp_sp`.
+GSPMD for the zigzag permutation and capacity priority, a capped receive buffer's float32 max of its use
+over the devices per layer, scalar loss reductions, the gathers GSPMD adds around the vocabulary-parallel
+logits of `tp_sp`, and under MLA with remat the recomputed forward's gather of the rotary cos/sin tables.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 
 import jax.numpy as jnp
 
 from meshmoe.analysis import cost_kernels
 from meshmoe.analysis.hlo_collectives import moved_bytes
 from meshmoe.config import Config
+from meshmoe.models import output
 from meshmoe.sharding import embedding_lookup, exchange_formats, expert_parallel, gradient_sync, moe_pipeline
 from meshmoe.sharding.plan import ParallelPlan
 from meshmoe.sharding.projection_blocks import attention_weights, attention_width, projection_blocks
@@ -106,8 +109,9 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
   costs: list[CollectiveCost] = []
   forward_repeats = 1 if m.remat == "none" else 2  # remat recomputes the forward, collectives included
 
-  def add(op, kind, axes, nbytes, forward: bool, link_bytes: float | None = None, label: str | None = None):
-    count = t.grad_accum_steps * (forward_repeats if forward else 1) * per_layer[op]
+  def add(op, kind, axes, nbytes, forward: bool, link_bytes: float | None = None, label: str | None = None,
+          recomputed: bool = True):
+    count = t.grad_accum_steps * (forward_repeats if forward and recomputed else 1) * per_layer[op]
     group = lay.size(axes)
     if group > 1 and nbytes:
       # A fused kernel's bytes are its own accounting of what it moves; a collective's, its result size.
@@ -129,13 +133,18 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
     directions = {"project_in": (gathered, block.gathered)}
     if block.weight_out:
       directions["project_out"] = (residual, m.embed_dim)
+    # Under remat the layer's last op, the MLP's (or shared experts') project_out, is not run again: its
+    # result is the layer's output, which no gradient reads (compiled deviceless, DeepSeek-V3: the recomputed
+    # forward's ring passes stop before it).
+    last = block.name in ("dense_mlp", "shared_experts")
     for direction, (nbytes, width) in directions.items():
-      _projection(add, block.name, direction, plan.ops[f"{block.name}.{direction}"], gather, g, nbytes,
+      out_last = functools.partial(add, recomputed=not (last and direction == "project_out"))
+      _projection(out_last, block.name, direction, plan.ops[f"{block.name}.{direction}"], gather, g, nbytes,
                   cost_kernels.projection_bytes(g, b_local * s_local, width, c))
     r = tuple(a for a in tp_axes if a not in gather)
     label = projection_label(block.name)
     if block.weight_out:  # project_out's psum over axes that do not split tokens
-      add(block.name, "all-reduce", r, residual, True, label=label)
+      add(block.name, "all-reduce", r, residual, True, label=label, recomputed=not last)
     add(block.name, "all-reduce", r, gathered, False, label=label)  # project_in's input gradient over the same axes
   _attention(lay, add, c, micro)
   if num_moe:
@@ -182,6 +191,16 @@ def _attention(lay: _Layout, add, c: int, micro: int) -> None:
   kv = rows * m.num_kv_heads // lay.size(kv_heads) * width * c  # one of K or V, this device
   q = rows * m.num_heads // lay.size(heads) * width * c
   positions = rows * 4
+  if m.attention == "mla":
+    # The rotary key, one per token for every head, comes out of the latent projection in the residual
+    # stream's layout; GSPMD gathers it over the token axes attention does not split (tp_sp's `tensor`, which
+    # splits heads there) and reduce-scatters its gradient, summed over the heads, back. (Under remat the
+    # recomputed forward gathers the cos/sin tables and the unrotated key instead: not counted.)
+    residual_axes = {a for dim in lay.act("act_batch", "act_seq") for a in dim}
+    gathered = lay.in_mesh_order(residual_axes - {a for dim in (batch, seq) for a in dim})
+    rope = rows * m.qk_rope_head_dim * c
+    add("attention", "all-gather", gathered, rope, True)
+    add("attention", "reduce-scatter", gathered, rope / lay.size(gathered), False)
   implementation = lay.plan.ops["attention"].implementation
   if implementation == "allgather":
     add("attention", "all-gather", seq, 2 * kv * n, True)
@@ -264,9 +283,17 @@ def _exchanges(lay: _Layout, add, tokens: float, k: int, ep: int, choice) -> Non
   slots = ep * expert_parallel.peer_slot(tokens, k, local_experts)
   received = expert_parallel.receive_rows(tokens, k, local_experts, ep, choice.buffer_factor)
   # Group sizes first, once per chunk of the pipeline (moe_pipeline.py); the chunks' token buffers add up
-  # to the unchunked ones.
+  # to the unchunked ones. A ragged exchange also tells its peers where rows start (int32, ep of them):
+  # where each sender's rows for the return are read, and where a capped buffer keeps them (ep x 2); the
+  # backward tells both exchanges' offsets back, 4 of ep, one of which the forward already told (the
+  # dispatch's first rows are where the return reads): 3 (compiled deviceless, DeepSeek-V3).
+  ragged = choice.exchange != "padded_all_to_all"
+  capped = received < slots
   for _ in range(moe_pipeline.num_chunks(int(tokens), choice.chunks)):
     add("moe", "all-to-all", lay.expert_axes, moe.num_experts * 4, True)
+    if ragged:
+      add("moe", "all-to-all", lay.expert_axes, ep * 4 * (1 + 2 * capped), True)
+      add("moe", "all-to-all", lay.expert_axes, 3 * ep * 4, False)
   dispatch, combine = choice.dispatch_formats, choice.combine_formats
   if choice.exchange == "padded_all_to_all":  # whole [ep, S, D] buffers, each transposed in the backward
     for forward, backward in (dispatch, combine):
@@ -316,12 +343,18 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
     totals["all-reduce", axes] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(axes),
                                                                    m.vocab_size * d * 4)
   tables = (1 if m.tie_embeddings else 2) - whole_tables - lookup_placed
+  if tables and lookup_placed and _output_table_summed_per_micro_batch(lay, token_axes):
+    _output_table_gradient(lay, totals, token_axes)
+    tables = 0
+  # Under a distributed optimizer on GPUs each layer's gradient is placed like its master inside the layer
+  # loop (training/master_weights.py), so the router's is reduce-scattered there, per micro-batch.
+  router_per_micro_batch = lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu"
   weights = [
       *((names, elements, m.num_dense_layers + moe_calls, c, True) for names, elements in attention_weights(m)),
       (("embed", "mlp"), d * m.mlp_dim * 3, m.num_dense_layers, c, True),
       (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, moe_calls, c, True),
-      (("embed", None), d * moe.num_experts, num_moe, 4, False),  # router, float32
+      (("embed", None), d * moe.num_experts, num_moe, 4, router_per_micro_batch),  # router, float32
       (("vocab", "embed"), m.vocab_size * d * tables, 1, 4, False),
       (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
       (("norm",), (m.kv_lora_rank + m.q_lora_rank) * m.num_layers if m.attention == "mla" else 0, 1, 4, False),
@@ -347,7 +380,8 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
     if not gathered_in_op and lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu":
       # The gradient is summed into the optimizer's slices of the float32 accumulator
       # (training/master_weights.py): GPU compiles reduce-scatter it over the axes the optimizer storage adds
-      # (the layers' weights per micro-batch, the tables' once per step); XLA:CPU all-reduces it, then slices.
+      # (the layers' weights per micro-batch, the tables' once per step but `_output_table_gradient`'s);
+      # XLA:CPU all-reduces it, then slices.
       gathered_in_op = lay.in_mesh_order(({a for dim in lay.updated(*names) for a in dim} - weight_axes) & summed)
     if gathered_in_op:
       shards *= lay.size(gathered_in_op)
@@ -360,6 +394,46 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   for (kind, axes), nbytes in totals.items():
     if lay.size(axes) > 1:
       costs.append(CollectiveCost("gradients", kind, lay.size(axes), nbytes, axes))
+
+
+def _output_table_summed_per_micro_batch(lay: _Layout, token_axes: set[str]) -> bool:
+  """Whether the untied output table's gradient is summed per micro-batch as `_output_table_gradient` counts:
+  under a distributed optimizer on GPUs, where the table is stored split over axes that split the tokens
+  (tp_sp's vocabulary over `tensor`), so GSPMD gathers it whole for the logits (`_weight_gathers`) and forms
+  its gradient whole on every device."""
+  if not lay.plan.distributed_optimizer or lay.plan.hardware.platform == "cpu" or lay.config.model.tie_embeddings:
+    return False
+  return bool({a for dim in lay.stored("embed", "vocab") for a in dim if lay.size((a,)) > 1} & token_axes)
+
+
+def _output_table_gradient(lay: _Layout, totals: dict, token_axes: set[str]) -> None:
+  """The untied output table's gradient where `_output_table_summed_per_micro_batch`, per micro-batch
+  (compiled deviceless, tiny_moe and DeepSeek-V3 under tp_sp): formed whole [D, V] in float32 on every
+  device, reduce-scattered over the token axes the table is stored over (the transpose of the forward's
+  gather), then summed over the other token axes: reduce-scattered into the master's slices where the
+  logits are formed in one chunk, all-reduced at the weight's placement where the output layer's chunk loop
+  (models/output.py) sums the gradient first (XLA then leaves the slicing to the update)."""
+  m, t = lay.config.model, lay.config.train
+  stored = lay.in_mesh_order({a for dim in lay.stored("embed", "vocab") for a in dim} & token_axes)
+  table = m.vocab_size * m.embed_dim * 4 / lay.size(stored)
+  totals["reduce-scatter", stored] += t.grad_accum_steps * moved_bytes("reduce-scatter", lay.size(stored), table)
+  rest = token_axes - set(stored)
+  if math.prod(output_chunks(lay.config, lay.plan)) == 1:
+    scattered = lay.in_mesh_order({a for dim in lay.updated("embed", "vocab") for a in dim} & rest)
+    totals["reduce-scatter", scattered] += t.grad_accum_steps * moved_bytes(
+        "reduce-scatter", lay.size(scattered), table / lay.size(scattered))
+    table /= lay.size(scattered)
+    rest -= set(scattered)
+  summed = lay.in_mesh_order(rest)
+  totals["all-reduce", summed] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(summed), table)
+
+
+def output_chunks(config: Config, plan: ParallelPlan) -> tuple[int, int]:
+  """(batch, sequence) chunks the loss's output layer cuts one device's tokens into (models/output.py)."""
+  m, t = config.model, config.train
+  micro = t.global_batch_size // t.grad_accum_steps
+  batch, seq, vocab = plan.activation_sharding(output.LOGITS).shard_shape((micro, t.seq_len, m.vocab_size))
+  return output.chunk_counts(batch, seq, vocab, m.logits_chunk_bytes)
 
 
 def _embedding_summed_whole(lay: _Layout, token_axes: set[str]) -> bool:

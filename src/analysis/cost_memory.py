@@ -210,7 +210,7 @@ def _output_layer(config: Config, plan: ParallelPlan) -> float:
   m, t = config.model, config.train
   micro = t.global_batch_size // t.grad_accum_steps
   batch, seq, vocab = plan.activation_sharding(output.LOGITS).shard_shape((micro, t.seq_len, m.vocab_size))
-  nb, ns = output.chunk_counts(batch, seq, vocab, m.logits_chunk_bytes)
+  nb, ns = cost_collectives.output_chunks(config, plan)
   chunk = batch * seq // (nb * ns) * vocab * 4
   return chunk + (m.embed_dim * vocab * 4 if nb * ns > 1 else 0.0)
 

@@ -126,6 +126,15 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   forward = ForwardFlops(**per_device)
   recompute = {"none": 0.0, "full": 1.0, "dots": 0.0}[m.remat]
   scale = {name: 3.0 + recompute for name in per_device}
+  # Under remat "full" the layer's last matmul, the MLP's (or shared experts') out-projection, is not run
+  # again: its result is the layer's output, which no gradient reads (jax's remat recomputes only what the
+  # backward uses; cost_collectives.py's ring passes alike).
+  not_recomputed = {name: 0.0 for name in per_device}
+  if recompute:
+    for block in projection_blocks(config):
+      if block.name in ("dense_mlp", "shared_experts") and block.weight_out:
+        out = 2 * block.weight_out[1] * block.weight_out_width
+        not_recomputed[_flops_part(block.name)] += _block_tokens(config, plan, block) * block.layers * out
   # The output layer runs outside the remat'd layer loop, and its loss computes the logits' gradients in the
   # forward chunks (models/output.py): forward, input and weight gradient, whatever the remat policy.
   scale["logits"] = 3.0
@@ -135,7 +144,7 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
     # Flash attention's backward recomputes the scores: 5 GEMMs against the plain backward's 4.
     scale["attention_scores"] += 0.5
   scale["routed_experts"] = expert_flops_scale(config, plan)
-  return ForwardFlops(**{name: scale[name] * value for name, value in vars(forward).items()})
+  return ForwardFlops(**{name: scale[name] * value - not_recomputed[name] for name, value in vars(forward).items()})
 
 
 def expert_flops_scale(config: Config, plan: ParallelPlan) -> float:
@@ -222,7 +231,8 @@ def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = Fals
              "project_out": 2 * block.weight_out[1] * block.weight_out_width if block.weight_out else 0}
     for direction, per_token in flops.items():
       if per_token and cost_kernels.in_custom_calls(plan.ops.get(f"{block.name}.{direction}")):
-        projections += in_kernel_passes * tokens * block.layers * per_token
+        last = direction == "project_out" and block.name in ("dense_mlp", "shared_experts")  # not recomputed
+        projections += (in_kernel_passes - recompute * last) * tokens * block.layers * per_token
   found = {"projections": projections, "attention": 0.0, "routed_experts": 0.0}
   if attention_in_kernels(plan.ops["attention"]):
     found["attention"] = executed.attention_scores

@@ -16,9 +16,12 @@ moments, placed alike. A step:
    - the weights outside the layer loop (the embedding and output tables, the final norm): their gradients
      are placed as the weights (sharding.shardings.with_weight_placed_gradients) and accumulated there,
      unsummed; XLA moves their sum out of the micro-batch loop: once per step (a reduce-scatter on GPUs).
-     One exception, XLA's: the embedding lookup's gradient (a scatter-add) is formed whole on every device
+     Two exceptions, XLA's: the embedding lookup's gradient (a scatter-add) is formed whole on every device
      and all-reduced over the token axes per micro-batch (at DeepSeek-V3's layout in sub-groups the cost
-     model misses; as under weight storage `data`/`all`; cost_collectives.py counts the whole sum);
+     model misses; as under weight storage `data`/`all`; cost_collectives.py counts the whole sum); and an
+     output table stored split over token axes (tp_sp's vocabulary over `tensor`), which GSPMD gathers
+     whole for the logits, has its gradient formed whole, reduce-scattered over those axes and summed over
+     the rest per micro-batch (cost_collectives._output_table_gradient);
 3. slices the sums to the master's placement and updates each slice of the master and the moments on the
    device that holds it.
 
