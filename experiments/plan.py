@@ -9,7 +9,8 @@ rejects what does not fit the memory JAX's allocator holds (train.gpu_memory_fra
 --memory_margin, predicts the step time of the rest from
 the cost model (a roofline at --efficiency of the dense peak, NVLink and network bandwidths from the GPU
 spec files, each tier's overlap: meshmoe.analysis.step_time) and prints the ranked table with the
-`--config...` overrides of the best. Every figure it prints is modelled; `--verify=K` compiles the top K
+`--config...` overrides of the best, the processes per node it needs (and, where it needs one per node,
+the best layout with one process per GPU). Every figure it prints is modelled; `--verify=K` compiles the top K
 deviceless (minutes each) and prints the compiled memory, FLOPs and collective bytes beside them.
 Where the config's own layout is valid it is ranked too. When nothing fits, it says the smallest GPU count
 where something would, and why. Exit status 0 when a layout fits, 3 when none does.
@@ -76,7 +77,8 @@ def main(argv):
     best = found.ranked[0].layout
     print(f"\nbest: python -m experiments.train --config={flags.FLAGS['config'].config_filename} "
           f"{' '.join(_planned_overrides(sys.argv[1:], config, best.overrides().split()))}")
-    print(plan_report.process_layout(best, config))
+    per_gpu = planner.best_with_one_process_per_gpu(config, found, _GPUS_PER_NODE.value, _EFFICIENCY.value)
+    print(plan_report.process_layout(found, config, per_gpu))
     for rank, candidate in enumerate(found.ranked[:_VERIFY.value], 1):
       report = planner.verify(config, candidate, found, _GPUS_PER_NODE.value)
       print(plan_report.verified(rank, candidate, report))

@@ -420,3 +420,34 @@ def test_memory_without_remat_is_within_10_percent_of_the_compiled_step(mesh, pr
   text = plan_report.verified(1, candidate, report)
   assert f"{peak / 1e9:12.2f} GB" in text and f"{candidate.memory_bytes / 1e9:12.2f} GB" in text
   assert ("DOES NOT FIT" in text) == (not report["memory"]["fits"])
+
+
+def test_one_process_per_gpu_is_judged_with_the_fused_kernels_falling_back_and_nodes_sharing_nvlink():
+  """The planner's process layouts (planner.PROCESS_LAYOUTS): a layout that runs no fused kernel is predicted
+  the same with one process per GPU as with one per node (its plan is the same, and a node's GPUs still
+  share NVLink: step_time.peers_in_node counts nodes, not processes); one whose fused kernels' rings cross
+  processes is re-planned with them falling back, and `best_with_one_process_per_gpu` gives the fastest."""
+  config = _model()
+  found = _search(config, 16, tiers=("xla",), remats=("none",))
+  xla = found.ranked[0]
+  assert xla.layout.mesh[1] * xla.layout.mesh[2] > 1  # its collectives have peers in the node
+  per_gpu = planner.evaluate(config, xla.layout, found, 8, processes="gpu")
+  assert per_gpu.time.step_s == pytest.approx(xla.time.step_s, rel=1e-12)
+  assert planner.best_with_one_process_per_gpu(config, found, 8).layout == xla.layout
+
+  fused = _search(config, 16, tiers=("pallas",), remats=("none",))
+  best = fused.ranked[0]
+  assert plan_report.process_layout_of(best.layout.apply(config).parallel)[0] == "node"
+  alternative = planner.best_with_one_process_per_gpu(config, fused, 8)
+  assert alternative is not None and alternative.fits
+  one_per_node = planner.evaluate(config, alternative.layout, fused, 8)
+  assert alternative.time.step_s != one_per_node.time.step_s  # re-planned, not the one-per-node prediction
+  devices = planner.deviceless.gpu_devices(16, H100.target, 16)
+  plan = planner.build_plan(alternative.layout.apply(config), devices)
+  running = {name: choice.implementation for name, choice in plan.ops.items()}
+  assert "fused" not in running.values(), running
+  assert any(choice.fallback for choice in plan.ops.values())  # and the plan says why
+  report = plan_report.process_layout(fused, config, alternative)
+  assert "with one process per GPU the best is #" in report and "slower (modelled)" in report
+  with pytest.raises(ValueError, match="processes='rack'"):
+    planner.evaluate(config, xla.layout, found, 8, processes="rack")

@@ -55,14 +55,24 @@ def _row(rank, candidate: planner.Candidate, found: planner.Search) -> str:
           f"{found.tokens_per_step / t.step_s:10.0f} {t.mfu:6.1%} {t.exposed_comm_s:9.3g}")
 
 
-def process_layout(layout: planner.Layout, config: Config) -> str:
-  """How many processes per node the layout was planned for (one: every device of a node in one process,
-  so the fused kernels run wherever their ring stays in a node) and what launching it needs."""
-  need, why = process_layout_of(layout.apply(config).parallel)
-  if need == "node":
-    return (f"processes: planned with one per node; {why}: experiments/slurm/train.sbatch and experiments.launch "
-            "run one per node for it")
-  return f"processes: planned with one per node; one per GPU runs the same plan ({why})"
+def process_layout(found: planner.Search, config: Config, per_gpu: planner.Candidate | None) -> str:
+  """How many processes per node the best layout was planned for (one: every device of a node in one
+  process, so the fused kernels run wherever their ring stays in a node), what launching it needs, and
+  the best layout with one process per GPU (planner.best_with_one_process_per_gpu; modelled)."""
+  best = found.ranked[0]
+  need, why = process_layout_of(best.layout.apply(config).parallel)
+  if need != "node":
+    return f"processes: planned with one per node; one per GPU runs the same plan ({why})"
+  line = (f"processes: planned with one per node; {why}: experiments/slurm/train.sbatch and experiments.launch "
+          "run one per node for it")
+  if per_gpu is None:
+    return line + "\n  with one process per GPU: no layout of the fastest fits"
+  slower = per_gpu.time.step_s / best.time.step_s - 1
+  rank = next(i for i, c in enumerate(found.ranked, 1) if c.layout == per_gpu.layout)
+  falls_back = process_layout_of(per_gpu.layout.apply(config).parallel)[0] == "node"
+  return (line + f"\n  with one process per GPU the best is #{rank} ({per_gpu.layout.describe().strip()})"
+          + (", its fused kernels' rings that cross processes falling back" if falls_back else "")
+          + f": {per_gpu.time.step_s:.4g} s, {per_gpu.time.mfu:.1%} MFU, {slower:.1%} slower (modelled)")
 
 
 def own_layout(config: Config, found: planner.Search, gpus_per_node: int | None, efficiency: float) -> str:

@@ -15,6 +15,10 @@ rest (step_time.py) and ranks them fastest first. For each (mesh, preset, expert
 optimizer storage, tier, remat) only the fewest micro-batches that fit is kept: more micro-batches never
 make the modelled step faster (the same FLOPs, and per-micro-batch collectives repeat).
 
+Process layouts (PROCESS_LAYOUTS): `search` plans with one process per node; `best_with_one_process_per_gpu`
+gives the best layout a run with one process per GPU can have (its fused kernels' rings across processes
+falling back), for the clusters and launchers that start one per GPU.
+
 Everything here is modelled. `experiments.plan --verify=K` compiles the top K deviceless and prints the
 compiled figures beside these (experiments/benchmarks/RESULTS.md has the comparison).
 """
@@ -39,7 +43,7 @@ from meshmoe.config import (IMPLS, MESH_AXES, PRESETS, REMAT_POLICIES, Config, C
 from meshmoe.sharding import rules
 from meshmoe.sharding.mesh import make_mesh
 from meshmoe.runtime import gpu_memory
-from meshmoe.sharding.plan import ParallelPlan
+from meshmoe.sharding.plan import ParallelPlan, process_layout
 
 TIERS = IMPLS  # every tier (`parallel.impl`) is a candidate
 # Presets whose placement ignores the expert, tensor and sequence axes (every device a data replica):
@@ -418,10 +422,16 @@ def build_plan(config: Config, devices) -> ParallelPlan:
 
 
 def evaluate(config: Config, layout: Layout, found: Search, gpus_per_node: int | None = None,
-             efficiency: float = 0.5) -> Candidate:
-  """One given layout judged as `search` judged its candidates (ConfigError where it is invalid)."""
+             efficiency: float = 0.5, processes: str = "node") -> Candidate:
+  """One given layout judged as `search` judged its candidates (ConfigError where it is invalid), its
+  devices driven by one process per node or, `processes="gpu"`, one per GPU (PROCESS_LAYOUTS)."""
   layout_config = layout.apply(config)
-  devices = gpu_devices(found.gpu, found.num_gpus, gpus_per_node or found.gpu.gpus_per_node)
+  per_node = gpus_per_node or found.gpu.gpus_per_node
+  if processes not in PROCESS_LAYOUTS:
+    raise ValueError(f"processes={processes!r}; known: {', '.join(PROCESS_LAYOUTS)}")
+  devices = (gpu_devices(found.gpu, found.num_gpus, per_node) if processes == "node"
+             else deviceless.gpu_devices(found.num_gpus, found.gpu.target, found.num_gpus))
+  timing_nodes = None if processes == "node" else per_node  # the links a process per GPU still shares
   plan = build_plan(layout_config, devices)
   memory = cost_memory.memory_per_device(layout_config, plan)
   if memory.total > found.capacity_bytes:
@@ -432,7 +442,35 @@ def evaluate(config: Config, layout: Layout, found: Search, gpus_per_node: int |
     fallback_config = fallback.apply(config)
     if cost_memory.memory_per_device(fallback_config, build_plan(fallback_config, devices)).total > found.capacity_bytes:
       return Candidate.of(layout, memory, False)
-  return Candidate.of(layout, memory, True, step_time.predict(layout_config, plan, found.gpu, efficiency))
+  return Candidate.of(layout, memory, True, step_time.predict(layout_config, plan, found.gpu, efficiency,
+                                                               gpus_per_node=timing_nodes))
+
+
+# The process layouts the planner judges: one process per node (what `search` plans with; every device of a
+# node in one process, so the fused kernels run wherever their ring stays in a node) and one per GPU (each
+# GPU its own process, as experiments/slurm/train.sbatch starts a config that runs no fused kernel).
+PROCESS_LAYOUTS = ("node", "gpu")
+
+
+def best_with_one_process_per_gpu(config: Config, found: Search, gpus_per_node: int | None = None,
+                                  efficiency: float = 0.5, top: int = 32) -> Candidate | None:
+  """The fastest layout of `found` that runs with one process per GPU (None when none fits): the first ranked
+  layout that runs no fused kernel (its plan and step are the same in either process layout,
+  sharding.plan.process_layout), or one of the faster ones re-judged with a process per GPU, where each
+  fused kernel whose ring spans processes falls back as its plan says (the `top` fastest at most)."""
+  needs_node = lambda c: process_layout(c.layout.apply(config).parallel)[0] == "node"
+  unfused = next((c for c in found.ranked if not needs_node(c)), None)
+  found_faster = [c for c in found.ranked[:top] if needs_node(c)
+                  and (unfused is None or c.time.step_s < unfused.time.step_s)]
+  judged = []
+  with _quiet_fallbacks():  # each re-planned fused kernel says why it falls back; the report line says it once
+    for candidate in found_faster:
+      try:
+        judged.append(evaluate(config, candidate.layout, found, gpus_per_node, efficiency, processes="gpu"))
+      except ConfigError:
+        continue
+  fitting = [c for c in [*judged, unfused] if c is not None and c.fits]
+  return min(fitting, key=lambda c: c.time.step_s, default=None)
 
 
 def verify(config: Config, candidate: Candidate, found: Search, gpus_per_node: int | None = None) -> dict:

@@ -63,14 +63,16 @@ class StepTime:
     return self.model_flops / (self.step_s * self.num_devices * self.peak_flops)
 
 
-def predict(config: Config, plan: ParallelPlan, gpu: GpuSpec, efficiency: float, cost=None) -> StepTime:
+def predict(config: Config, plan: ParallelPlan, gpu: GpuSpec, efficiency: float, cost=None,
+            gpus_per_node: int | None = None) -> StepTime:
   """The step time of `config` run as `plan` says on `gpu`s, GEMMs at `efficiency` of the dense peak.
-  `cost`: the cost model's figures if already computed (cost_model.step_cost)."""
+  `cost`: the cost model's figures if already computed (cost_model.step_cost). `gpus_per_node`: where the
+  mesh's processes are not its nodes (one process per GPU), the devices of a node (`peers_in_node`)."""
   cost = cost or cost_model.step_cost(config, plan)
   hidden = exposed = 0.0
   fused = dict.fromkeys(_KERNEL_FLOPS, 0.0)  # seconds of the fused kernels' traffic, by the GEMMs it hides in
   for collective in cost.collectives:
-    seconds = transfer_seconds(plan, collective, gpu)
+    seconds = transfer_seconds(plan, collective, gpu, gpus_per_node)
     if collective.kind in cost_kernels.FUSED_KINDS:
       fused["moe" if collective.op == "moe" else "projections"] += seconds
       continue
@@ -132,25 +134,29 @@ def fused_overlap(transfer_s: float, kernel_compute_s: float) -> float:
   return min(transfer_s, kernel_compute_s)
 
 
-def transfer_seconds(plan: ParallelPlan, collective: CollectiveCost, gpu: GpuSpec) -> float:
+def transfer_seconds(plan: ParallelPlan, collective: CollectiveCost, gpu: GpuSpec,
+                     gpus_per_node: int | None = None) -> float:
   """Seconds one device spends moving a collective's bytes: the part for peers in its node over NVLink,
   the rest over the network, at the same time."""
   group = collective.group_size
   if group <= 1:
     return 0.0
-  local = peers_in_node(plan, collective.axes)
+  local = peers_in_node(plan, collective.axes, gpus_per_node)
   remote_share = (group - local) / (group - 1)
   nbytes = collective.transferred
   return max(nbytes * (1 - remote_share) / gpu.nvlink_bandwidth, nbytes * remote_share / gpu.network_bandwidth)
 
 
-def peers_in_node(plan: ParallelPlan, axes: tuple[str, ...]) -> int:
+def peers_in_node(plan: ParallelPlan, axes: tuple[str, ...], gpus_per_node: int | None = None) -> int:
   """How many members of a group over `axes` (the first device's group) share its host (node): the mesh's
-  own device placement (sharding/mesh.py) decides it, hosts being the devices' process indices."""
+  own device placement (sharding/mesh.py) decides it, nodes being the devices' process indices, or, given
+  `gpus_per_node` (one process per GPU), their ids in runs of that many (a node's devices are numbered
+  together, as the deviceless topology and a cluster's launch number them)."""
   grid = plan.mesh.devices
   index = tuple(slice(None) if name in axes else 0 for name in plan.mesh.axis_names)
   members = np.asarray(grid[index]).ravel()
-  return sum(d.process_index == members[0].process_index for d in members)
+  node = (lambda d: d.process_index) if gpus_per_node is None else (lambda d: d.id // gpus_per_node)
+  return sum(node(d) == node(members[0]) for d in members)
 
 
 def hidden_fraction(plan: ParallelPlan, collective: CollectiveCost) -> float:
