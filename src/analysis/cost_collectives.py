@@ -347,17 +347,19 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
     _output_table_gradient(lay, totals, token_axes)
     tables = 0
   # Under a distributed optimizer on GPUs each layer's gradient is placed like its master inside the layer
-  # loop (training/master_weights.py), so the router's is reduce-scattered there, per micro-batch.
-  router_per_micro_batch = lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu"
+  # loop (training/master_weights.py), so the router's and the norms' are summed there, per micro-batch
+  # (compiled deviceless: Mixtral-8x7B's and DeepSeek-V3's norms all-reduced 64 and 80 times a step; tiny_moe's
+  # once, a difference of a few KB left alone).
+  per_micro_batch = lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu"
   weights = [
       *((names, elements, m.num_dense_layers + moe_calls, c, True) for names, elements in attention_weights(m)),
       (("embed", "mlp"), d * m.mlp_dim * 3, m.num_dense_layers, c, True),
       (("embed", "mlp"), d * moe.num_shared_experts * moe.expert_mlp_dim * 3, moe_calls, c, True),
       (("exp", "embed", "exp_mlp"), moe.num_experts * d * moe.expert_mlp_dim * 3, moe_calls, c, True),
-      (("embed", None), d * moe.num_experts, num_moe, 4, router_per_micro_batch),  # router, float32
+      (("embed", None), d * moe.num_experts, num_moe, 4, per_micro_batch),  # router, float32
       (("vocab", "embed"), m.vocab_size * d * tables, 1, 4, False),
-      (("norm",), d * (2 * m.num_layers + 1), 1, 4, False),
-      (("norm",), (m.kv_lora_rank + m.q_lora_rank) * m.num_layers if m.attention == "mla" else 0, 1, 4, False),
+      (("norm",), d, 1, 4, False),  # the final norm
+      (("norm",), 2 * d + _layer_norm_extras(m), m.num_layers, 4, per_micro_batch),  # each layer's
   ]
   compression = lay.plan.gradient_compression
   for names, elements, layers, itemsize, in_op in weights:
@@ -394,6 +396,13 @@ def _weight_gradients(lay: _Layout, costs: list[CollectiveCost]) -> None:
   for (kind, axes), nbytes in totals.items():
     if lay.size(axes) > 1:
       costs.append(CollectiveCost("gradients", kind, lay.size(axes), nbytes, axes))
+
+
+def _layer_norm_extras(m) -> int:
+  """A layer's norm scales besides its two of the model width: MLA's latents', or Qwen3's per-head q and k."""
+  if m.attention == "mla":
+    return m.kv_lora_rank + m.q_lora_rank
+  return 2 * m.head_dim if m.qk_norm else 0
 
 
 def _output_table_summed_per_micro_batch(lay: _Layout, token_axes: set[str]) -> bool:
