@@ -426,15 +426,24 @@ def _output_table_gradient(lay: _Layout, totals: dict, token_axes: set[str]) -> 
   stored = lay.in_mesh_order({a for dim in lay.stored("embed", "vocab") for a in dim} & token_axes)
   table = m.vocab_size * m.embed_dim * 4 / lay.size(stored)
   totals["reduce-scatter", stored] += t.grad_accum_steps * moved_bytes("reduce-scatter", lay.size(stored), table)
-  rest = token_axes - set(stored)
-  if math.prod(output_chunks(lay.config, lay.plan)) == 1:
-    scattered = lay.in_mesh_order({a for dim in lay.updated("embed", "vocab") for a in dim} & rest)
+  _sum_per_micro_batch(lay, totals, ("embed", "vocab"), table, token_axes - set(stored),
+                       into_master=math.prod(output_chunks(lay.config, lay.plan)) == 1)
+
+
+def _sum_per_micro_batch(lay: _Layout, totals: dict, names, nbytes: float, axes: set[str], into_master: bool) -> None:
+  """A table gradient's `nbytes` per device summed over `axes` per micro-batch: reduce-scattered first over
+  those of them that split the optimizer's slice of `names` where `into_master`, then all-reduced over the
+  rest."""
+  t = lay.config.train
+  rest = set(axes)
+  if into_master:
+    scattered = lay.in_mesh_order({a for dim in lay.updated(*names) for a in dim} & rest)
     totals["reduce-scatter", scattered] += t.grad_accum_steps * moved_bytes(
-        "reduce-scatter", lay.size(scattered), table / lay.size(scattered))
-    table /= lay.size(scattered)
+        "reduce-scatter", lay.size(scattered), nbytes / lay.size(scattered))
+    nbytes /= lay.size(scattered)
     rest -= set(scattered)
   summed = lay.in_mesh_order(rest)
-  totals["all-reduce", summed] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(summed), table)
+  totals["all-reduce", summed] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(summed), nbytes)
 
 
 def output_chunks(config: Config, plan: ParallelPlan) -> tuple[int, int]:
@@ -480,15 +489,8 @@ def _lookup_gradient(lay: _Layout, totals: dict, token_axes: set[str]) -> None:
   totals["all-gather", gathered] += t.grad_accum_steps * moved_bytes("all-gather", lay.size(gathered), rows)
   totals["all-to-all", exchanged] += t.grad_accum_steps * moved_bytes("all-to-all", lay.size(exchanged), rows)
   partial = m.vocab_size * m.embed_dim * 4 / lay.size(tuple(vocab_axes | d_axes))
-  rest = set(layout.rest)
-  if lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu":
-    scattered = lay.in_mesh_order({a for dim in lay.updated("vocab", "embed") for a in dim} & rest)
-    totals["reduce-scatter", scattered] += t.grad_accum_steps * moved_bytes(
-        "reduce-scatter", lay.size(scattered), partial / lay.size(scattered))
-    partial /= lay.size(scattered)
-    rest -= set(scattered)
-  summed = lay.in_mesh_order(rest)
-  totals["all-reduce", summed] += t.grad_accum_steps * moved_bytes("all-reduce", lay.size(summed), partial)
+  _sum_per_micro_batch(lay, totals, ("vocab", "embed"), partial, set(layout.rest),
+                       into_master=lay.plan.distributed_optimizer and lay.plan.hardware.platform != "cpu")
 
 
 def weights_regathered(config: Config, plan: ParallelPlan, experts: bool) -> bool:
