@@ -29,6 +29,13 @@ class Block(NamedTuple):
 
   weight_out_width: int = 0  # the out-projection's output width (the model width)
 
+  @property
+  def ends_layer(self) -> bool:
+    """Whether the block's out-projection is its layer's last op (the MLP's or the shared experts'): its result
+    is the layer's output, which no gradient reads, so remat does not run it again (jax recomputes only what
+    the backward uses)."""
+    return self.name in ("dense_mlp", "shared_experts") and self.weight_out is not None
+
 
 def attention_width(m) -> int:
   """The head width attention's ops see: head_dim, or MLA's query/key width and value width, the narrower

@@ -136,7 +136,7 @@ def collective_costs(config: Config, plan: ParallelPlan) -> list[CollectiveCost]
     # Under remat the layer's last op, the MLP's (or shared experts') project_out, is not run again: its
     # result is the layer's output, which no gradient reads (compiled deviceless, DeepSeek-V3: the recomputed
     # forward's ring passes stop before it).
-    last = block.name in ("dense_mlp", "shared_experts")
+    last = block.ends_layer
     for direction, (nbytes, width) in directions.items():
       out_last = functools.partial(add, recomputed=not (last and direction == "project_out"))
       _projection(out_last, block.name, direction, plan.ops[f"{block.name}.{direction}"], gather, g, nbytes,

@@ -132,7 +132,7 @@ def executed_flops_per_device(config: Config, plan: ParallelPlan) -> ForwardFlop
   not_recomputed = {name: 0.0 for name in per_device}
   if recompute:
     for block in projection_blocks(config):
-      if block.name in ("dense_mlp", "shared_experts") and block.weight_out:
+      if block.ends_layer:
         out = 2 * block.weight_out[1] * block.weight_out_width
         not_recomputed[_flops_part(block.name)] += _block_tokens(config, plan, block) * block.layers * out
   # The output layer runs outside the remat'd layer loop, and its loss computes the logits' gradients in the
@@ -231,7 +231,7 @@ def flops_in_kernels(config: Config, plan: ParallelPlan, worst_case: bool = Fals
              "project_out": 2 * block.weight_out[1] * block.weight_out_width if block.weight_out else 0}
     for direction, per_token in flops.items():
       if per_token and cost_kernels.in_custom_calls(plan.ops.get(f"{block.name}.{direction}")):
-        last = direction == "project_out" and block.name in ("dense_mlp", "shared_experts")  # not recomputed
+        last = direction == "project_out" and block.ends_layer  # not recomputed
         projections += (in_kernel_passes - recompute * last) * tokens * block.layers * per_token
   found = {"projections": projections, "attention": 0.0, "routed_experts": 0.0}
   if attention_in_kernels(plan.ops["attention"]):
