@@ -55,7 +55,10 @@ $node State=UNKNOWN
 PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 
-if pgrep -x slurmctld >/dev/null; then scontrol reconfigure; else slurmctld; fi
+# A controller that is not running died with whatever ran before (a killed session, a reboot): its saved
+# jobs belong to processes that are gone, yet it would recover them and hold the node until their time
+# limit, so it starts with a clean state (-c). A running one may be serving another CI run: keep its jobs.
+if pgrep -x slurmctld >/dev/null; then scontrol reconfigure; else slurmctld -c; fi
 pgrep -x slurmd >/dev/null || slurmd
 
 for _ in $(seq 60); do
